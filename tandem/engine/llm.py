@@ -1,0 +1,157 @@
+"""Offline API: ``LLM(model).generate(prompts, SamplingParams(...))``, driving EngineCore in-process."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from tandem.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tandem.engine.core import EngineCore
+from tandem.engine.loading import load_frontend
+from tandem.engine.output_processor import OutputProcessor
+from tandem.engine.processor import PromptType
+from tandem.outputs import RequestOutput
+from tandem.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate text from a local model on the CPU (vLLM's ``LLM`` interface).
+
+    Args:
+        model: a local HF folder, a ``.gguf`` file, or None for the default SmolLM2-135M-Instruct.
+        dtype: "bfloat16" (default) or "float32".
+        max_model_len: context limit in tokens (default: the model's).
+        kv_cache_gib: KV cache budget in GiB; ``num_blocks`` overrides it.
+        Other keyword arguments map one to one onto ``CacheConfig`` and ``SchedulerConfig``.
+
+    Raises:
+        FileNotFoundError / ValueError: unknown model path, unsupported architecture, bad config.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "bfloat16",
+        max_model_len: int | None = None,
+        kv_cache_gib: float = 2.0,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        long_prefill_token_threshold: int = 0,
+        num_threads: int | None = None,
+        chat_template: str | None = None,
+        progress: bool = True,
+    ) -> None:
+        self.config = EngineConfig(
+            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
+                              chat_template=chat_template),
+            cache=CacheConfig(block_size=block_size, kv_cache_gib=kv_cache_gib, num_blocks=num_blocks,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                      max_num_seqs=max_num_seqs,
+                                      long_prefill_token_threshold=long_prefill_token_threshold),
+            num_threads=num_threads,
+        )
+        frontend = load_frontend(self.config, progress=progress)
+        self.model_dir = frontend.model_dir
+        self.tokenizer = frontend.tokenizer
+        self.default_sampling_params = frontend.default_sampling_params
+        self.engine = EngineCore(self.model_dir, self.config, progress=progress)
+        self.processor = frontend.make_processor(self.engine.max_model_len)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """Sampling defaults from the model's generation_config.json (vLLM's behaviour)."""
+        return self.default_sampling_params.clone()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Completes every prompt; returns one finished ``RequestOutput`` per prompt, in input order.
+
+        ``prompts``: a string, a list of token ids, a ``{"prompt_token_ids": [...]}`` dict, or a list
+        of those. ``sampling_params``: one for all prompts or one per prompt; None uses the model's
+        defaults. All prompts are validated before any is queued.
+
+        Raises:
+            PromptError / SamplingParamsError (both ValueError): bad prompt or parameters.
+        """
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params_list = (
+            list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        )
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        return self._run([self.processor.tokenize(p) for p in prompts], params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Applies the chat template to one conversation (or a list of them) and generates.
+
+        Raises:
+            PromptError: no chat template or it fails on the messages.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        inputs = []
+        for conv in conversations:
+            text = self.processor.apply_chat_template(conv, add_generation_prompt, chat_template)
+            inputs.append((text, self.processor.chat_prompt_ids(text)))
+        params = sampling_params or self.get_default_sampling_params()
+        return self._run(inputs, [params] * len(inputs), use_tqdm)
+
+    def _run(
+        self, inputs: list[tuple[str | None, list[int]]], params_list: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        """Queues validated inputs, steps the engine until all finish, returns outputs in order."""
+        batches = []
+        for (text, ids), params in zip(inputs, params_list, strict=True):
+            parent_id = str(next(self._ids))
+            batches.append((parent_id, text, ids, params, self.processor.make_requests(parent_id, ids, params)))
+        output_processor = OutputProcessor(self.tokenizer)
+        for parent_id, text, ids, params, requests in batches:
+            for index, request in enumerate(requests):
+                output_processor.add_request(request.request_id, parent_id, index, params.n, text, ids, params)
+                self.engine.add_request(request)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(batches), desc="generate", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                processed = output_processor.process_outputs(self.engine.step())
+                if processed.reqs_to_abort:
+                    self.engine.abort_requests(processed.reqs_to_abort)
+                for out in processed.request_outputs:
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort_requests(r.request_id for *_, reqs in batches for r in reqs)
+            raise
+        finally:
+            bar.close()
+        return [finished[parent_id] for parent_id, *_ in batches]

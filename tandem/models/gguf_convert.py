@@ -1,0 +1,396 @@
+"""Convert a llama.cpp GGUF file into a Hugging Face checkpoint folder.
+
+The folder holds `config.json`, `model.safetensors`, `tokenizer.json`, `tokenizer_config.json` and
+`generation_config.json`, so Tandem's safetensors loader (and transformers) read it like any HF checkpoint.
+
+Sources: the GGUF spec (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md); llama.cpp's
+`convert_hf_to_gguf.py` (metadata keys, tensor names, the Q/K row permutation of `LlamaModel.permute`,
+the llama3 `rope_freqs` tensor); gguf-py for reading and dequantizing blocks; transformers for rebuilding
+the tokenizer from GGUF metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+from tqdm.auto import tqdm
+
+# GGUF `general.architecture` -> (HF architecture class, HF model_type). Mistral GGUFs use "llama".
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TENSOR_NAME = re.compile(r"(?:blk\.(?P<layer>\d+)\.)?(?P<base>\w+)\.(?P<suffix>weight|bias)")
+_ROPE_FREQS = "rope_freqs.weight"
+# Tokenizer arrays are large (one entry per token); the config needs none of them.
+_TOKENIZER_ARRAYS = frozenset(
+    f"tokenizer.ggml.{key}" for key in ("tokens", "merges", "scores", "token_type", "precompiled_charsmap")
+)
+# GGUF types copied as they are, with their safetensors dtype; every other type is dequantized to F32.
+_KEPT_TYPES = {
+    GGMLQuantizationType.F32: "F32",
+    GGMLQuantizationType.F16: "F16",
+    GGMLQuantizationType.BF16: "BF16",
+}
+_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
+_TORCH_DTYPE = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+class UnsupportedGGUFError(ValueError):
+    """The GGUF file uses an architecture, tensor, rope scaling or block type Tandem does not convert."""
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One output tensor: where it comes from in the GGUF and how it is stored in safetensors."""
+
+    hf_name: str
+    tensor: ReaderTensor
+    dtype: str  # safetensors dtype: F32, F16 or BF16
+    shape: tuple[int, ...]  # HF (row-major) shape, the reverse of GGUF's ne[] order
+    permute_heads: int | None  # undo llama.cpp's Q/K row permutation over this many heads
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _ITEMSIZE[self.dtype]
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """Map a GGUF tensor name (`blk.3.attn_q.weight`) to its HF name (`model.layers.3.self_attn.q_proj...`).
+
+    Raises:
+        UnsupportedGGUFError: the name is not one of the llama/qwen2/qwen3 tensors.
+    """
+    match = _TENSOR_NAME.fullmatch(gguf_name)
+    layer, base = (match["layer"], match["base"]) if match else (None, "")
+    if match and layer is None and base in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[base]}.{match['suffix']}"
+    if match and layer is not None and base in _BLOCK_TENSORS:
+        return f"model.layers.{layer}.{_BLOCK_TENSORS[base]}.{match['suffix']}"
+    raise UnsupportedGGUFError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent in this converter")
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """All GGUF key/values except the per-token tokenizer arrays, as Python values."""
+    return {key: field.contents() for key, field in reader.fields.items() if key not in _TOKENIZER_ARRAYS}
+
+
+def check_architecture(metadata: dict[str, Any]) -> str:
+    """Return `general.architecture` if supported.
+
+    Raises:
+        UnsupportedGGUFError: any other architecture; the message names the supported ones.
+    """
+    arch = metadata.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedGGUFError(
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)} "
+            "(Mistral GGUFs use 'llama')"
+        )
+    return arch
+
+
+def _required(meta: dict[str, Any], key: str) -> Any:
+    if key not in meta:
+        raise UnsupportedGGUFError(f"GGUF metadata lacks the required key {key!r}")
+    return meta[key]
+
+
+def _f32(value: float) -> float:
+    # NOTE: GGUF stores floats as float32 (1e-5 reads back as 9.99999974e-06); the shortest decimal that
+    # round-trips through float32 is the value the original config.json held.
+    return float(str(np.float32(value)))
+
+
+def llama3_rope_factors(
+    theta: float,
+    head_dim: int,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    old_context: int,
+) -> np.ndarray:
+    """Per-frequency divisors of llama3 rope scaling, shape (head_dim // 2,), as llama.cpp writes them.
+
+    Source: llama.cpp `LlamaModel.generate_extra_tensors` (the same formula as transformers'
+    `_compute_llama3_parameters`).
+    """
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    low_band = np.where(wavelen > old_context / low_freq_factor, factor, mid)
+    return np.where(wavelen < old_context / high_freq_factor, 1.0, low_band).astype(np.float32)
+
+
+def _rope_parameters(meta: dict[str, Any], arch: str, head_dim: int, rope_freqs: np.ndarray | None) -> dict:
+    """HF `rope_parameters` from GGUF rope keys, or from the llama3 `rope_freqs` tensor when present.
+
+    Raises:
+        UnsupportedGGUFError: an unknown `rope.scaling.type`, or `rope_freqs` that llama3 scaling cannot
+            explain.
+    """
+    theta = _f32(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if rope_freqs is not None:
+        # NOTE: llama.cpp keeps only the divisors; low/high_freq_factor 1/4 and the 8192 original context are
+        # its defaults (every Llama 3.x uses them). Recomputing the tensor proves the guess right.
+        llama3 = {
+            "factor": float(rope_freqs.max()),
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+        expected = llama3_rope_factors(theta, head_dim, *llama3.values())
+        if expected.shape != rope_freqs.shape or not np.allclose(expected, rope_freqs, rtol=1e-4):
+            raise UnsupportedGGUFError("GGUF rope_freqs tensor does not match llama3 rope scaling")
+        params.update(rope_type="llama3", **llama3)
+    elif scaling in ("linear", "yarn"):
+        params.update(rope_type=scaling, factor=_f32(_required(meta, f"{arch}.rope.scaling.factor")))
+        if scaling == "yarn":
+            original = _required(meta, f"{arch}.rope.scaling.original_context_length")
+            params["original_max_position_embeddings"] = int(original)
+    elif scaling != "none":
+        raise UnsupportedGGUFError(
+            f"GGUF rope scaling {scaling!r} is not supported (none, linear, yarn, llama3)"
+        )
+    return params
+
+
+def special_token_ids(meta: dict[str, Any]) -> dict[str, Any]:
+    """bos/eos/pad ids from tokenizer metadata; eos becomes a list when eot/eom ids differ from it."""
+    ids: dict[str, Any] = {}
+    if (bos := meta.get("tokenizer.ggml.bos_token_id")) is not None:
+        ids["bos_token_id"] = int(bos)
+    eos = [
+        int(meta[f"tokenizer.ggml.{k}_token_id"])
+        for k in ("eos", "eot", "eom")
+        if f"tokenizer.ggml.{k}_token_id" in meta
+    ]
+    eos = list(dict.fromkeys(eos))
+    if eos:
+        ids["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    if (pad := meta.get("tokenizer.ggml.padding_token_id")) is not None:
+        ids["pad_token_id"] = int(pad)
+    return ids
+
+
+def build_hf_config(
+    meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], rope_freqs: np.ndarray | None = None
+) -> dict[str, Any]:
+    """HF `config.json` contents from GGUF metadata and the HF shapes of the tensors (keyed by GGUF name).
+
+    `torch_dtype` is left to the caller, which knows how tensors are stored.
+
+    Raises:
+        UnsupportedGGUFError: unsupported architecture or rope scaling, or a required metadata key (e.g.
+            `llama.embedding_length`) is missing.
+    """
+    arch = check_architecture(meta)
+    hf_arch, model_type = SUPPORTED_ARCHITECTURES[arch]
+    hidden = int(_required(meta, f"{arch}.embedding_length"))
+    heads = int(_required(meta, f"{arch}.attention.head_count"))
+    head_dim = int(
+        meta.get(f"{arch}.attention.key_length", meta.get(f"{arch}.rope.dimension_count", hidden // heads))
+    )
+    rope = _rope_parameters(meta, arch, head_dim, rope_freqs)
+    config: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(_required(meta, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_required(meta, f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _f32(_required(meta, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": rope["rope_theta"],
+        "rope_parameters": rope,
+        "max_position_embeddings": int(_required(meta, f"{arch}.context_length")),
+        # NOTE: the embedding's row count is authoritative; `{arch}.vocab_size` is absent from older files.
+        "vocab_size": shapes["token_embd.weight"][0],
+        "tie_word_embeddings": "output.weight" not in shapes,
+        **special_token_ids(meta),
+    }
+    if model_type == "qwen2":
+        config["use_sliding_window"] = False
+    else:
+        config["attention_bias"] = "blk.0.attn_q.bias" in shapes
+    if model_type == "llama":
+        config["mlp_bias"] = "blk.0.ffn_up.bias" in shapes
+    return config
+
+
+def unpermute_qk(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's `LlamaModel.permute` on q/k_proj rows (weight or bias): (n_heads * head_dim, ...).
+
+    llama.cpp interleaves each head's two rotary halves (GPT-J style); HF Llama uses rotate-half, so row
+    `2 * i + j` of a head goes back to row `j * head_dim / 2 + i`.
+    """
+    half = weight.shape[0] // n_heads // 2
+    return weight.reshape(n_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _hf_shape(tensor: ReaderTensor) -> tuple[int, ...]:
+    # NOTE: GGUF lists dimensions innermost first (ne[0] = row length); HF/numpy list them outermost first.
+    return tuple(int(n) for n in reversed(tensor.shape.tolist()))
+
+
+def _plan(tensors: list[ReaderTensor], config: dict[str, Any]) -> list[_Entry]:
+    """One `_Entry` per output tensor; `rope_freqs` is consumed by the config and not written."""
+    permute = config["model_type"] == "llama"
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    entries = []
+    for tensor in tensors:
+        if tensor.name == _ROPE_FREQS:
+            continue
+        base = tensor.name.split(".")[-2]
+        entries.append(
+            _Entry(
+                hf_name=hf_tensor_name(tensor.name),
+                tensor=tensor,
+                dtype=_KEPT_TYPES.get(tensor.tensor_type, "F32"),
+                shape=_hf_shape(tensor),
+                permute_heads=heads.get(base) if permute else None,
+            )
+        )
+    return entries
+
+
+def load_tensor(tensor: ReaderTensor) -> np.ndarray:
+    """A GGUF tensor in HF shape: F32/F16 as stored, BF16 as raw uint16 bits, block types dequantized to F32.
+
+    Raises:
+        UnsupportedGGUFError: gguf-py cannot dequantize this block type.
+    """
+    shape = _hf_shape(tensor)
+    if tensor.tensor_type == GGMLQuantizationType.BF16:
+        return tensor.data.view(np.uint16).reshape(shape)
+    if tensor.tensor_type in _KEPT_TYPES:
+        return tensor.data.reshape(shape)
+    try:
+        return dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+    except NotImplementedError as exc:
+        raise UnsupportedGGUFError(
+            f"GGUF tensor {tensor.name!r} uses block type {tensor.tensor_type.name}, "
+            "which gguf-py cannot dequantize"
+        ) from exc
+
+
+def _load_entry(entry: _Entry) -> np.ndarray:
+    array = load_tensor(entry.tensor)
+    if entry.permute_heads is not None:
+        array = unpermute_qk(array, entry.permute_heads)
+    return np.ascontiguousarray(array)
+
+
+def write_safetensors(path: Path, entries: list[_Entry], *, progress: bool = True, desc: str = "") -> None:
+    """Stream tensors into one safetensors file, holding one dequantized tensor in memory at a time.
+
+    Format (https://github.com/huggingface/safetensors#format): u64 little-endian header length, a JSON
+    header of `{name: {dtype, shape, data_offsets}}` padded with spaces to 8 bytes, then the raw bytes.
+    NOTE: `safetensors.torch.save_file` needs every tensor in memory at once; a 7B GGUF dequantized to
+    float32 is 28 GB, so we write the header from the planned shapes and the data tensor by tensor.
+    """
+    # NOTE: offsets must be contiguous (no padding), so wider dtypes go first to keep every tensor aligned.
+    entries = sorted(entries, key=lambda e: (-_ITEMSIZE[e.dtype], e.hf_name))
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for entry in entries:
+        header[entry.hf_name] = {
+            "dtype": entry.dtype,
+            "shape": list(entry.shape),
+            "data_offsets": [offset, offset + entry.nbytes],
+        }
+        offset += entry.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for entry in tqdm(entries, desc=desc or f"Writing {path.name}", unit="tensor", disable=not progress):
+            array = _load_entry(entry)
+            assert array.shape == entry.shape and array.nbytes == entry.nbytes, entry.hf_name
+            f.write(array.data)
+
+
+def _checkpoint_dtype(entries: list[_Entry]) -> str:
+    """`torch_dtype` of the checkpoint: the matrices' dtype if all share one, else float32."""
+    dtypes = {e.dtype for e in entries if len(e.shape) == 2}
+    return _TORCH_DTYPE[dtypes.pop()] if len(dtypes) == 1 else "float32"
+
+
+def _write_tokenizer(gguf_path: Path, out_dir: Path, chat_template: str | None) -> None:
+    """tokenizer.json + tokenizer_config.json rebuilt by transformers from the GGUF tokenizer metadata."""
+    from transformers import AutoTokenizer  # NOTE: imported here; transformers takes seconds to import
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    # NOTE: save_jinja_files=False keeps the chat template inside tokenizer_config.json.
+    tokenizer.save_pretrained(str(out_dir), save_jinja_files=False)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = True) -> Path:
+    """Write an HF checkpoint folder for a GGUF file into `out_dir` (created if missing); return `out_dir`.
+
+    Writes config.json, model.safetensors (float32 for F32 and block-quantized tensors, F16/BF16 kept),
+    generation_config.json, tokenizer.json and tokenizer_config.json (with `tokenizer.chat_template`).
+    Not atomic: `tandem.models.resolve` converts into a temporary folder and renames it.
+
+    Raises:
+        UnsupportedGGUFError: unsupported architecture, tensor name, rope scaling or block type, or missing
+            metadata (tokenizer or a required model key).
+    """
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    reader = GGUFReader(gguf_path)
+    meta = read_metadata(reader)
+    check_architecture(meta)
+    if "tokenizer.ggml.model" not in meta:
+        raise UnsupportedGGUFError(f"GGUF file {gguf_path} has no tokenizer metadata (tokenizer.ggml.model)")
+    tensors = {t.name: t for t in reader.tensors}
+    shapes = {name: _hf_shape(t) for name, t in tensors.items()}
+    rope_freqs = load_tensor(tensors[_ROPE_FREQS]).astype(np.float32) if _ROPE_FREQS in tensors else None
+    config = build_hf_config(meta, shapes, rope_freqs)
+    entries = _plan(list(tensors.values()), config)
+    config["torch_dtype"] = config["dtype"] = _checkpoint_dtype(entries)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_safetensors(
+        out_dir / "model.safetensors", entries, progress=progress, desc=f"Converting {gguf_path.name}"
+    )
+    _write_json(out_dir / "config.json", config)
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+    _write_json(out_dir / "generation_config.json", generation)
+    _write_tokenizer(gguf_path, out_dir, meta.get("tokenizer.chat_template"))
+    return out_dir

@@ -1,0 +1,222 @@
+"""Read a Hugging Face checkpoint's ``config.json`` (+ ``generation_config.json``) into a frozen dataclass.
+
+Only the fields the forward pass and the engine need are kept. Both rope layouts are accepted:
+transformers >= 5 writes ``rope_parameters: {"rope_type", "rope_theta", ...}``; older files write
+``rope_theta`` plus an optional ``rope_scaling`` dict (whose type key is ``rope_type`` or ``type``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+# generation_config.json keys copied into SamplingParams defaults (same names there).
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder Tandem cannot load: unsupported architecture or rope type, a bad config
+    value, a missing or misshapen tensor, a truncated or corrupt weights file."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding parameters.
+
+    ``rope_type`` "default" uses ``theta`` only; "llama3" (Llama 3.1 frequency-dependent scaling)
+    also uses ``factor``, ``low_freq_factor``, ``high_freq_factor`` and
+    ``original_max_position_embeddings`` (tokens).
+    """
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class HFModelConfig:
+    """What Tandem needs from a decoder-only checkpoint's config (sizes in elements, lengths in tokens).
+
+    ``eos_token_ids`` merges ``config.json`` and ``generation_config.json`` (each an int or a list).
+    ``generation_defaults`` holds the present ones of temperature / top_p / top_k / repetition_penalty
+    from ``generation_config.json``. ``sliding_window`` is None when every layer attends to the full
+    context (for Qwen2/Qwen3 it is only set when ``use_sliding_window`` is true).
+    """
+
+    architecture: str
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    vocab_size: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None
+    torch_dtype: str | None = None
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest context (tokens) this engine computes exactly.
+
+        NOTE: Tandem has no sliding-window attention kernel. Full attention equals sliding-window
+        attention while the context fits in the window, so the context is clamped to the window.
+        """
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+
+def load_hf_config(model_dir: Path | str) -> HFModelConfig:
+    """Parse ``model_dir/config.json`` and, when present, ``model_dir/generation_config.json``.
+
+    Raises:
+        FileNotFoundError: ``model_dir`` or its ``config.json`` does not exist.
+        CheckpointError: unknown architecture (the message lists the supported ones), an
+            unsupported rope type or activation, or a malformed JSON file.
+    """
+    model_dir = Path(model_dir)
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"no config.json in {model_dir} (expected a Hugging Face checkpoint folder)")
+    cfg = _read_json(config_path)
+    gen_path = model_dir / "generation_config.json"
+    gen = _read_json(gen_path) if gen_path.is_file() else {}
+    architecture = _architecture(cfg, config_path)
+    if cfg.get("hidden_act", "silu") != "silu":
+        act = cfg["hidden_act"]
+        raise CheckpointError(f"{config_path}: hidden_act {act!r} is not supported (only 'silu')")
+    try:
+        return _build(cfg, gen, architecture, config_path)
+    except KeyError as e:
+        raise CheckpointError(f"{config_path}: missing required field {e.args[0]!r}") from None
+
+
+def _build(cfg: dict[str, Any], gen: dict[str, Any], architecture: str, config_path: Path) -> HFModelConfig:
+    num_heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    return HFModelConfig(
+        architecture=architecture,
+        model_type=str(cfg.get("model_type", "")),
+        hidden_size=hidden,
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+        intermediate_size=int(cfg["intermediate_size"]),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope=_rope_config(cfg, config_path),
+        vocab_size=int(cfg["vocab_size"]),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        # NOTE: Qwen2 always has q/k/v biases, whatever the config says (transformers hard-codes it).
+        attention_bias=architecture == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        bos_token_id=_first_int(cfg.get("bos_token_id"), gen.get("bos_token_id")),
+        eos_token_ids=_merge_ids(cfg.get("eos_token_id"), gen.get("eos_token_id")),
+        sliding_window=_sliding_window(cfg),
+        torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+        generation_defaults={k: gen[k] for k in GENERATION_DEFAULT_KEYS if gen.get(k) is not None},
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _architecture(cfg: dict[str, Any], path: Path) -> str:
+    archs = cfg.get("architectures") or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    raise CheckpointError(
+        f"{path}: architecture {archs or '(none given)'} is not supported; "
+        f"supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _rope_config(cfg: dict[str, Any], path: Path) -> RopeConfig:
+    """Both layouts: ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling`` (older)."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise CheckpointError(
+            f"{path}: rope type {rope_type!r} is not supported; supported rope types: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return RopeConfig(theta=float(theta))
+    try:
+        return RopeConfig(
+            rope_type=rope_type,
+            theta=float(theta),
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    except KeyError as e:
+        raise CheckpointError(f"{path}: llama3 rope parameters lack {e.args[0]!r}") from None
+
+
+def _sliding_window(cfg: dict[str, Any]) -> int | None:
+    window = cfg.get("sliding_window")
+    if window is None:
+        return None
+    if "use_sliding_window" in cfg and not cfg["use_sliding_window"]:
+        return None
+    return int(window)
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, list | tuple):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def _merge_ids(*values: Any) -> tuple[int, ...]:
+    """Union of token ids (ints or lists), first-seen order."""
+    out: list[int] = []
+    for value in values:
+        out += [i for i in _as_ids(value) if i not in out]
+    return tuple(out)
+
+
+def _first_int(*values: Any) -> int | None:
+    for value in values:
+        ids = _as_ids(value)
+        if ids:
+            return ids[0]
+    return None

@@ -1,0 +1,146 @@
+"""Shared layers of the Llama-like families: RMSNorm, rotary embedding, SiluAndMul, Linear, Embedding.
+
+Parameters are created with ``torch.empty`` (no random init): the loader fills every one of them.
+All layers work on flattened token batches ``[T, ...]`` (no batch dimension).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.models.hf_config import RopeConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019), computed in float32 like transformers.
+
+    ``forward(x [..., dim]) -> [..., dim]`` in ``x``'s dtype.
+    """
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        # NOTE: cast back before the weight multiply, as transformers does (matters in bfloat16).
+        return self.weight * h.to(input_dtype)
+
+
+class Linear(nn.Module):
+    """``y = x W^T (+ b)`` via ``F.linear``; weight ``[sum(output_sizes), input_size]``.
+
+    A fused projection (q/k/v, gate/up) lists its checkpoint sub-modules in ``shard_names`` with
+    their row counts in ``output_sizes``; the loader copies each into its row slice, so one GEMM
+    replaces several.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: int | list[int],
+        bias: bool,
+        dtype: torch.dtype,
+        shard_names: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__()
+        self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        if shard_names and len(shard_names) != len(self.output_sizes):
+            raise ValueError("shard_names and output_sizes must have the same length")
+        self.shard_names = tuple(shard_names)
+        out = sum(self.output_sizes)
+        self.weight = nn.Parameter(torch.empty(out, input_size, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token embedding: ``forward(ids [T] int64) -> [T, dim]``."""
+
+    def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class SiluAndMul(nn.Module):
+    """SwiGLU gate (Shazeer 2020): ``x [..., 2d] -> silu(x[..., :d]) * x[..., d:]`` (gate first)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` float32 (RoFormer, Su et al. 2021).
+
+    "llama3" applies Llama 3.1's frequency-dependent scaling (Meta's reference ``apply_scaling``,
+    as in transformers' ``_compute_llama3_parameters``): wavelengths shorter than
+    ``original_max / high_freq_factor`` are kept, longer than ``original_max / low_freq_factor``
+    divided by ``factor``, and those between interpolated smoothly.
+
+    Raises:
+        ValueError: an unsupported ``rope.rope_type``.
+    """
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponent)
+    if rope.rope_type == "default":
+        return inv_freq
+    if rope.rope_type != "llama3":
+        raise ValueError(f"rope type {rope.rope_type!r} is not supported")
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding tables in the rotate-half layout of Hugging Face checkpoints.
+
+    ``cos``/``sin`` caches ``[max_positions, head_dim]`` are computed once in float32; at use they
+    are cast to the model dtype (as transformers does). ``forward(positions [T] int64, dtype)``
+    returns ``(cos, sin)``, each ``[T, 1, head_dim]``, for ``apply_rotary``; a model computes them
+    once per step and shares them across layers.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, rope)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.max_positions = max_positions
+        self.register_buffer("cos_cache", emb.cos(), persistent=False)
+        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos_cache[positions].to(dtype).unsqueeze(1)
+        sin = self.sin_cache[positions].to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q [T, H, D]`` and ``k [T, KV, D]`` by ``cos, sin [T, 1, D]`` (rotate-half layout)."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)

@@ -1,0 +1,178 @@
+"""Llama (and Mistral) decoder over a paged KV cache; the base the Qwen families extend.
+
+Parameter names mirror the Hugging Face checkpoint (``model.layers.N.self_attn...``) except the
+fused projections ``qkv_proj`` (q/k/v) and ``gate_up_proj`` (gate/up), which the loader fills
+from the separate checkpoint tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tandem.attention import AttentionBackend, AttentionMetadata, TorchRefAttention
+from tandem.models.hf_config import HFModelConfig
+from tandem.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, KV, D]
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, D]
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with fused q/k/v, RoPE and grouped-query heads; K/V go to the paged cache."""
+
+    # NOTE: None = o_proj has a bias iff ``attention_bias`` (Llama, Qwen3); Qwen2 sets False.
+    o_proj_bias: bool | None = None
+
+    def __init__(self, cfg: HFModelConfig, dtype: torch.dtype, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = Linear(
+            cfg.hidden_size, self.split_sizes, cfg.attention_bias, dtype, ("q_proj", "k_proj", "v_proj")
+        )
+        o_bias = cfg.attention_bias if self.o_proj_bias is None else self.o_proj_bias
+        self.o_proj = Linear(q_size, cfg.hidden_size, o_bias, dtype)
+        self.scale = self.head_dim**-0.5
+        self.backend = backend
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook before RoPE (identity here; Qwen3 normalises each head)."""
+        return q, k
+
+    def forward(
+        self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """``x [T, hidden] -> [T, hidden]``. Changes: writes this step's K/V into ``kv_cache``."""
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(*self.norm_qk(q, k), *rope)
+        out = self.backend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.flatten(1))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward with a fused gate/up projection: ``[T, hidden] -> [T, hidden]``."""
+
+    def __init__(self, cfg: HFModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = Linear(
+            cfg.hidden_size, [inter, inter], cfg.mlp_bias, dtype, ("gate_proj", "up_proj")
+        )
+        self.act = SiluAndMul()
+        self.down_proj = Linear(inter, cfg.hidden_size, cfg.mlp_bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(
+        self,
+        cfg: HFModelConfig,
+        dtype: torch.dtype,
+        attention_cls: type[LlamaAttention],
+        backend: AttentionBackend,
+    ) -> None:
+        super().__init__()
+        self.self_attn = attention_cls(cfg, dtype, backend)
+        self.mlp = LlamaMLP(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(
+        self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm: ``(ids [T], positions [T]) -> hidden [T, hidden]``."""
+
+    def __init__(
+        self,
+        cfg: HFModelConfig,
+        dtype: torch.dtype,
+        max_positions: int,
+        attention_cls: type[LlamaAttention],
+        backend: AttentionBackend,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, dtype, attention_cls, backend) for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, rope, kv_cache, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral causal LM over a paged KV cache.
+
+    Args:
+        cfg: the checkpoint config.
+        dtype: parameter and activation dtype (bfloat16 or float32).
+        max_positions: size of the RoPE tables (tokens); positions must stay below it.
+        backend: paged attention implementation (default: the torch reference).
+    """
+
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
+    def __init__(
+        self,
+        cfg: HFModelConfig,
+        dtype: torch.dtype,
+        max_positions: int,
+        backend: AttentionBackend | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = cfg
+        backend = backend if backend is not None else TorchRefAttention()
+        self.model = LlamaModel(cfg, dtype, max_positions, self.attention_cls, backend)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        if cfg.tie_word_embeddings:
+            # NOTE: one shared Parameter; named_parameters() then lists only the embedding, so the
+            # loader never looks for lm_head.weight.
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``input_ids, positions [T] int64 -> hidden [T, hidden]`` in the model dtype.
+
+        ``kv_caches`` holds one ``(k_cache, v_cache)`` per layer. Changes: writes K/V at
+        ``meta.slot_mapping`` in every layer's cache.
+        """
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, hidden] -> logits [N, vocab]`` float32.
+
+        NOTE: the GEMM runs in the model dtype and only its output is cast (as vLLM does): a float32
+        copy of a large vocabulary's lm_head would cost memory and time on every step.
+        """
+        return self.lm_head(hidden).float()

@@ -1,0 +1,174 @@
+"""Load a Hugging Face checkpoint folder's ``*.safetensors`` weights into a Tandem model.
+
+Files are memory-mapped with ``safetensors.safe_open`` and copied tensor by tensor into parameters
+that already have the target dtype, so peak memory is the model plus one tensor. Fused projections
+(``Linear.shard_names``) are filled slice by slice from their separate checkpoint tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from tandem.attention import AttentionBackend
+from tandem.models.hf_config import CheckpointError, HFModelConfig
+from tandem.models.layers import Linear
+from tandem.models.llama import LlamaForCausalLM
+from tandem.models.registry import get_model_class
+
+INDEX_FILE = "model.safetensors.index.json"
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class _Target:
+    """One checkpoint tensor and the rows ``[start, end)`` of the parameter it fills."""
+
+    name: str
+    param: torch.Tensor
+    start: int
+    end: int
+
+    @property
+    def expected_shape(self) -> tuple[int, ...]:
+        return (self.end - self.start, *self.param.shape[1:])
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Map each tensor name to the safetensors file holding it.
+
+    Uses ``model.safetensors.index.json`` when present (sharded checkpoints), else reads the
+    headers of every ``*.safetensors`` file in the folder.
+
+    Raises:
+        FileNotFoundError: no safetensors weights in ``model_dir``, or a shard named by the index
+            is missing.
+        CheckpointError: the index or a file header cannot be parsed (truncated or corrupt file).
+    """
+    model_dir = Path(model_dir)
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_path}: cannot read the weight_map ({e!r})") from e
+        files = {name: model_dir / shard for name, shard in weight_map.items()}
+        for shard in sorted(set(files.values())):
+            if not shard.is_file():
+                raise FileNotFoundError(f"shard {shard.name} listed in {index_path} is missing")
+        return files
+    paths = sorted(model_dir.glob("*.safetensors"))
+    if not paths:
+        others = sorted(p.name for pattern in ("*.bin", "*.pt", "*.pth") for p in model_dir.glob(pattern))
+        hint = f" (found {', '.join(others)}: only safetensors weights are supported)" if others else ""
+        raise FileNotFoundError(
+            f"no weights in {model_dir}: expected model.safetensors or sharded *.safetensors "
+            f"with {INDEX_FILE}{hint}"
+        )
+    files: dict[str, Path] = {}
+    for path in paths:
+        with _open(path) as f:
+            files.update(dict.fromkeys(f.keys(), path))
+    return files
+
+
+def _open(path: Path):  # noqa: ANN202 (safetensors' handle type is not public)
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as e:  # NOTE: safetensors raises its own SafetensorError plus OSError variants
+        raise CheckpointError(
+            f"{path}: cannot read safetensors file, it may be truncated or corrupt ({e})"
+        ) from e
+
+
+def _targets(model: torch.nn.Module) -> list[_Target]:
+    """Every checkpoint tensor the model needs; shared (tied) parameters appear once."""
+    targets = []
+    for param_name, param in model.named_parameters():
+        module_name, _, leaf = param_name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if isinstance(module, Linear) and module.shard_names:
+            parent = module_name.rpartition(".")[0]
+            start = 0
+            for shard, size in zip(module.shard_names, module.output_sizes, strict=True):
+                targets.append(_Target(f"{parent}.{shard}.{leaf}", param, start, start + size))
+                start += size
+        else:
+            targets.append(_Target(param_name, param, 0, param.shape[0]))
+    return targets
+
+
+def load_weights(model: torch.nn.Module, model_dir: Path, progress: bool = True) -> None:
+    """Copy the checkpoint in ``model_dir`` into ``model``'s parameters, casting to their dtype.
+
+    Changes: every parameter of ``model`` (in place). Extra checkpoint tensors (e.g. old
+    ``rotary_emb.inv_freq`` buffers) are ignored. A tqdm bar counts tensors when ``progress``.
+
+    Raises:
+        FileNotFoundError: see ``checkpoint_files``.
+        CheckpointError: a tensor is missing (names it and the files searched), has the wrong
+            shape (names it, the file, the expected and found shapes), or a file cannot be read.
+    """
+    files = checkpoint_files(model_dir)
+    targets = _targets(model)
+    missing = [t.name for t in targets if t.name not in files]
+    if missing:
+        searched = ", ".join(sorted({p.name for p in files.values()}))
+        shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise CheckpointError(f"missing tensor(s) {shown} in {model_dir} (searched {searched})")
+    by_file: dict[Path, list[_Target]] = {}
+    for t in targets:
+        by_file.setdefault(files[t.name], []).append(t)
+    with tqdm(total=len(targets), desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        for path, group in by_file.items():
+            with _open(path) as f:
+                for t in group:
+                    _copy_tensor(f, path, t)
+                    bar.update(1)
+
+
+def _copy_tensor(f, path: Path, t: _Target) -> None:  # noqa: ANN001 (safetensors handle)
+    try:
+        shape = tuple(f.get_slice(t.name).get_shape())
+        if shape != t.expected_shape:
+            raise CheckpointError(
+                f"tensor {t.name} in {path.name} has shape {list(shape)}, expected {list(t.expected_shape)}"
+            )
+        tensor = f.get_tensor(t.name)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot read tensor {t.name}, the file may be corrupt ({e})") from e
+    with torch.no_grad():
+        t.param[t.start : t.end].copy_(tensor)
+
+
+def load_model(
+    model_dir: Path,
+    cfg: HFModelConfig,
+    dtype: str | torch.dtype = "bfloat16",
+    max_positions: int | None = None,
+    backend: AttentionBackend | None = None,
+    progress: bool = True,
+) -> LlamaForCausalLM:
+    """Build the model class registered for ``cfg.architecture`` and load its weights.
+
+    ``max_positions`` sizes the RoPE tables (default ``cfg.max_model_len``). Returns the model in
+    eval mode with ``requires_grad`` off.
+
+    Raises:
+        CheckpointError / FileNotFoundError: see ``load_weights``; ValueError for an unknown dtype.
+    """
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        dtype = DTYPES[dtype]
+    model_cls = get_model_class(cfg.architecture)
+    model = model_cls(cfg, dtype, max_positions or cfg.max_model_len, backend)
+    load_weights(model, model_dir, progress=progress)
+    return model.eval()

@@ -1,0 +1,157 @@
+"""The FastAPI application: routes, API-key check, cancellation on disconnect, engine lifecycle.
+
+Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (API key required when one is
+set), and ``/health``, ``/version``, ``/tokenize``, ``/detokenize``, ``/metrics`` (open, as in vLLM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+import tandem
+from tandem.engine.async_llm import AsyncLLM
+from tandem.engine.processor import PromptError
+from tandem.server import errors
+from tandem.server.metrics import CONTENT_TYPE, ServerMetrics
+from tandem.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from tandem.server.serving_chat import OpenAIServingChat
+from tandem.server.serving_completions import ModelNames, OpenAIServingCompletion
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def cancel_on_disconnect(raw: Request, handler: Awaitable[Response]) -> Response:
+    """Runs ``handler`` until it answers or the client disconnects; on disconnect it is cancelled,
+    which aborts its engine requests (``RequestStream`` aborts when its consumer is cancelled).
+
+    Streams are not covered here: Starlette's ``StreamingResponse`` cancels its body iterator when
+    the client goes away.
+    """
+    task = asyncio.ensure_future(handler)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    return Response(status_code=499)  # NOTE: nobody is listening; nginx's "client closed request"
+
+
+def build_app(
+    engine: AsyncLLM, served_model_names: list[str], api_key: str | None, metrics: ServerMetrics
+) -> FastAPI:
+    """The ASGI app for one engine. Starting it starts the engine's output loop; stopping it
+    (after uvicorn's graceful drain) shuts the engine-core process down."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+
+    app = FastAPI(title="Tandem", version=tandem.__version__, lifespan=lifespan)
+    errors.install_error_handlers(app)
+    names = ModelNames(served_model_names)
+    completions = OpenAIServingCompletion(engine, names)
+    chat = OpenAIServingChat(engine, names)
+
+    async def check_api_key(raw: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = raw.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise errors.invalid_api_key()
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @v1.post("/completions")
+    async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+        return await cancel_on_disconnect(raw, completions.create(body))
+
+    @v1.post("/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await cancel_on_disconnect(raw, chat.create(body))
+
+    @v1.get("/models")
+    async def list_models() -> dict[str, Any]:
+        cards = [ModelCard(id=name, created=int(time.time()), root=str(engine.frontend.model_dir),
+                           max_model_len=engine.max_model_len) for name in served_model_names]
+        return ModelList(data=cards).model_dump()
+
+    app.include_router(v1)
+    _add_service_routes(app, engine, names, metrics)
+    return app
+
+
+def _add_service_routes(app: FastAPI, engine: AsyncLLM, names: ModelNames, metrics: ServerMetrics) -> None:
+    """Health, version, metrics, tokenize and detokenize."""
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_healthy:
+            reason = str(engine.dead) if engine.dead else "the engine core is not running"
+            raise errors.engine_unavailable(reason)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": tandem.__version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> JSONResponse:
+        names.resolve(body.model)
+        processor = engine.processor
+        if (body.prompt is None) == (body.messages is None):
+            raise errors.bad_request("give exactly one of prompt or messages", "prompt")
+        if body.messages is not None:
+            text = processor.apply_chat_template(
+                [m.to_template_message(i) for i, m in enumerate(body.messages)], body.add_generation_prompt)
+            ids = processor.chat_prompt_ids(text)
+        else:
+            ids = list(engine.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+        return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                             "token_strs": None})
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        names.resolve(body.model)
+        vocab = engine.frontend.hf_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise PromptError(f"token id {bad[0]} is out of the vocabulary [0, {vocab})", "tokens")
+        return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})

@@ -1,0 +1,121 @@
+"""Prometheus metrics named like vLLM's (``vllm:`` -> ``tandem:``) so dashboards port by a rename.
+
+Gauges follow the latest engine-core stats snapshot; cumulative engine counters (prefix cache,
+preemptions) are turned into Prometheus counters by their increments. Per-request timings are
+measured in the front end (``time.monotonic``) from the request's arrival in ``AsyncLLM``: TTFT to
+its first token, ITL between token arrivals, e2e to its finish. Requests are engine requests: a
+prompt with ``n = 2`` counts twice, as in vLLM. Each server owns its own ``CollectorRegistry``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import psutil
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+
+from tandem.engine.core_proc import CoreStats
+
+# Bucket edges from vLLM's v1 metrics (vllm/v1/metrics/loggers.py), in seconds / tokens.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                           60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class ServerMetrics:
+    """All Prometheus series of one server, labelled with ``model_name``.
+
+    Args:
+        model_name: the served model name (the ``model_name`` label, as in vLLM).
+        core_pid: a callable giving the engine-core pid (for its resident memory), or None.
+    """
+
+    def __init__(self, model_name: str, core_pid: Callable[[], int | None] | None = None) -> None:
+        self.registry = CollectorRegistry()
+        self.core_pid = core_pid
+        reg, labels = self.registry, ["model_name"]
+        ProcessCollector(registry=reg)  # process_resident_memory_bytes etc. of the front end
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"tandem:{name}", doc, labels, registry=reg).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"tandem:{name}", doc, labels, registry=reg).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(f"tandem:{name}", doc, labels, buckets=buckets, registry=reg).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "KV cache usage: 1 means 100 percent.")
+        self.core_memory = gauge("engine_core_resident_memory_bytes", "Resident memory of the engine core.")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens served by the prefix cache.")
+        self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
+        self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self._success = Counter("tandem:request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=reg)
+        self.model_name = model_name
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name, reason)  # NOTE: export zeros before the first finish
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduling.",
+                                    REQUEST_LATENCY_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
+                                          ITERATION_TOKEN_BUCKETS)
+        self._last = CoreStats()
+
+    def record_step(self, stats: CoreStats, num_batched_tokens: int) -> None:
+        """Gauges from the snapshot; counters by the increase of the core's cumulative counters."""
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        last = self._last
+        self.prefix_cache_queries.inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
+        self.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
+        self.num_preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
+        self._last = stats
+        if num_batched_tokens > 0:
+            self.iteration_tokens.observe(num_batched_tokens)
+
+    def record_queue_time(self, seconds: float) -> None:
+        self.queue_time.observe(seconds)
+
+    def record_first_token(self, ttft: float, num_prompt_tokens: int) -> None:
+        self.ttft.observe(ttft)
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def record_tokens(self, num_tokens: int, itl: float | None) -> None:
+        self.generation_tokens.inc(num_tokens)
+        if itl is not None:
+            self.itl.observe(itl)
+
+    def record_finished(self, finish_reason: str, e2e: float) -> None:
+        self._success.labels(self.model_name, finish_reason).inc()
+        self.e2e.observe(e2e)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every series (refreshes the core's memory first)."""
+        pid = self.core_pid() if self.core_pid is not None else None
+        if pid is not None:
+            try:
+                self.core_memory.set(psutil.Process(pid).memory_info().rss)
+            except psutil.Error:
+                self.core_memory.set(0)
+        return generate_latest(self.registry)

@@ -1,0 +1,314 @@
+"""OpenAI request and response schemas (pydantic), following the OpenAI API reference.
+
+Requests accept the OpenAI fields plus vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``); unknown fields are ignored, as OpenAI and vLLM
+do. Fields that Tandem cannot honour (``logit_bias``, ``suffix``, ``best_of``, tools, JSON modes) are
+rejected with 400 instead of being silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tandem.outputs import PositionLogprobs
+from tandem.sampling_params import SamplingParams, SamplingParamsError
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def to_sampling_params(
+        self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
+        """SamplingParams from this request; absent fields take the model's defaults
+        (generation_config.json), as vLLM does.
+
+        Raises:
+            SamplingParamsError: an out-of-range or unsupported value (the server answers 400).
+        """
+        if self.logit_bias:
+            raise SamplingParamsError("logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise SamplingParamsError("stream_options is only allowed when stream is true", "stream_options")
+        changes: dict[str, Any] = {
+            "n": self.n, "seed": self.seed, "max_tokens": max_tokens, "min_tokens": self.min_tokens,
+            "stop": self.stop or [], "stop_token_ids": self.stop_token_ids or [],
+            "ignore_eos": self.ignore_eos, "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens, "logprobs": logprobs,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+        }
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            if getattr(self, name) is not None:
+                changes[name] = getattr(self, name)
+        return defaults.clone(**changes)
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions``. ``max_tokens`` absent or null: up to the context limit."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def sampling_params(self, defaults: SamplingParams) -> SamplingParams:
+        """Raises: SamplingParamsError on unsupported combinations or values."""
+        if self.suffix:
+            raise SamplingParamsError("suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise SamplingParamsError("best_of must be absent or equal to n", "best_of")
+        if self.echo and self.logprobs is not None:
+            raise SamplingParamsError("echo with logprobs (prompt logprobs) is not supported", "echo")
+        return self.to_sampling_params(defaults, self.max_tokens, self.logprobs)
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+
+    def to_template_message(self, index: int) -> dict[str, str]:
+        """``{"role", "content"}`` for the chat template; text parts are joined with newlines.
+
+        Raises:
+            SamplingParamsError: a non-text content part or tool calls (param ``messages.<i>``).
+        """
+        param = f"messages.{index}.content"
+        if self.tool_calls:
+            raise SamplingParamsError("tool calls are not supported", f"messages.{index}.tool_calls")
+        if self.content is None:
+            raise SamplingParamsError("content must not be null", param)
+        if isinstance(self.content, str):
+            text = self.content
+        else:
+            texts = []
+            for part in self.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise SamplingParamsError(
+                        f"only text content parts are supported, got type {part.get('type')!r}", param)
+                texts.append(part["text"])
+            text = "\n".join(texts)
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": text}
+
+
+class ResponseFormat(OpenAIModel):
+    type: str
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    add_generation_prompt: bool = True
+
+    def sampling_params(self, defaults: SamplingParams) -> SamplingParams:
+        """Raises: SamplingParamsError on unsupported fields or out-of-range values."""
+        if self.response_format is not None and self.response_format.type != "text":
+            kind = self.response_format.type
+            message = f"response_format of type {kind!r} is not supported yet"
+            raise SamplingParamsError(message, "response_format")
+        if self.tools:
+            raise SamplingParamsError("tools are not supported", "tools")
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= 20:
+                raise SamplingParamsError("top_logprobs must be an integer in [0, 20]", "top_logprobs")
+            if not self.logprobs:
+                raise SamplingParamsError("top_logprobs requires logprobs to be true", "top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.to_sampling_params(defaults, max_tokens, logprobs)
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [m.to_template_message(i) for i, m in enumerate(self.messages)]
+
+
+class TokenizeRequest(OpenAIModel):
+    """``POST /tokenize`` (vLLM's shape): a ``prompt`` or chat ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- responses ----
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    system_fingerprint: str | None = None
+    usage: UsageInfo | None = None
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    system_fingerprint: str | None = None
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tandem"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---- logprobs in OpenAI shapes ----
+def token_text(tokenizer: Any, token_id: int, logprob: Any = None) -> str:
+    """The text of one token as OpenAI shows it (the detokenized token, not the BPE symbol)."""
+    decoded = getattr(logprob, "decoded_token", None)
+    return decoded if decoded is not None else tokenizer.decode([token_id])
+
+
+def _top(position: PositionLogprobs, num: int) -> list[tuple[int, Any]]:
+    """The ``num`` most likely entries of one position, by rank."""
+    return sorted(position.items(), key=lambda kv: kv[1].rank)[:num]
+
+
+def completion_logprobs(
+    tokenizer: Any, token_ids: list[int], positions: list[PositionLogprobs], num: int, text_offset: int
+) -> tuple[CompletionLogprobs, int]:
+    """Completions ``logprobs`` for these tokens; ``text_offset`` is the character offset of the
+    first one. Returns the object and the offset after the last token."""
+    out = CompletionLogprobs()
+    for token_id, position in zip(token_ids, positions, strict=False):
+        sampled = position[token_id]  # NOTE: each position holds the sampled token plus the top-N
+        text = token_text(tokenizer, token_id, sampled)
+        out.tokens.append(text)
+        out.token_logprobs.append(sampled.logprob)
+        out.top_logprobs.append({token_text(tokenizer, t, lp): lp.logprob for t, lp in _top(position, num)})
+        out.text_offset.append(text_offset)
+        text_offset += len(text)
+    return out, text_offset
+
+
+def chat_logprobs(
+    tokenizer: Any, token_ids: list[int], positions: list[PositionLogprobs], num: int
+) -> ChatLogprobs:
+    """Chat ``logprobs.content``: one entry per token, each with its ``num`` top alternatives."""
+    content = []
+    for token_id, position in zip(token_ids, positions, strict=False):
+        sampled = position[token_id]
+        text = token_text(tokenizer, token_id, sampled)
+        top = []
+        for t, lp in _top(position, num):
+            alt = token_text(tokenizer, t, lp)
+            top.append(ChatTopLogprob(token=alt, logprob=lp.logprob, bytes=list(alt.encode("utf-8"))))
+        content.append(ChatTokenLogprob(
+            token=text, logprob=sampled.logprob, bytes=list(text.encode("utf-8")), top_logprobs=top,
+        ))
+    return ChatLogprobs(content=content)

@@ -1,0 +1,134 @@
+"""``POST /v1/chat/completions``: messages -> the model's chat template -> one engine prompt.
+
+Streaming follows OpenAI: each choice first gets a chunk with ``delta: {"role": "assistant",
+"content": ""}``, then content deltas; the chunk with ``finish_reason`` closes the choice; the usage
+chunk (``choices: []``) comes last when asked for, then ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tandem.engine.async_llm import AsyncLLM, EngineDeadError, EngineRequestError, RequestStream
+from tandem.outputs import CompletionOutput
+from tandem.sampling_params import SamplingParams
+from tandem.server.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    UsageInfo,
+    chat_logprobs,
+)
+from tandem.server.serving_completions import (
+    DONE,
+    ModelNames,
+    event_stream,
+    final_outputs,
+    open_streams,
+    sse,
+    stream_error,
+)
+
+
+class OpenAIServingChat:
+    """Handles ``/v1/chat/completions`` on top of an ``AsyncLLM``."""
+
+    def __init__(self, engine: AsyncLLM, model_names: ModelNames) -> None:
+        self.engine = engine
+        self.model_names = model_names
+        self.tokenizer = engine.tokenizer
+
+    def render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
+        """The templated prompt text and its token ids.
+
+        Raises:
+            SamplingParamsError: an unsupported message part. PromptError: the template failed.
+        """
+        processor = self.engine.processor
+        text = processor.apply_chat_template(request.template_messages(), request.add_generation_prompt)
+        return text, processor.chat_prompt_ids(text)
+
+    async def create(self, request: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
+        """Answers one chat request (JSON, or an SSE stream when ``stream`` is set).
+
+        Raises:
+            APIError (404), PromptError / SamplingParamsError (400), EngineRequestError (400/429),
+            EngineDeadError (503).
+        """
+        model = self.model_names.resolve(request.model)
+        if self.engine.dead is not None:
+            raise self.engine.dead
+        params = request.sampling_params(self.engine.frontend.default_sampling_params)
+        text, ids = self.render(request)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        kind = "delta" if request.stream else "cumulative"
+        streams = await open_streams(self.engine, request_id, [(text, ids)], params, kind)
+        created = int(time.time())
+        if request.stream:
+            return event_stream(self._stream(request, request_id, created, model, streams[0], params))
+        (out,) = await final_outputs(streams)
+        choices = [self._choice(c, params) for c in sorted(out.outputs, key=lambda c: c.index)]
+        completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+        usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=completion_tokens,
+                          total_tokens=len(ids) + completion_tokens)
+        response = ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
+                                          usage=usage)
+        return JSONResponse(response.model_dump())
+
+    def _logprobs(self, c: CompletionOutput, params: SamplingParams) -> Any:
+        if params.logprobs is None:
+            return None
+        return chat_logprobs(self.tokenizer, c.token_ids, c.logprobs or [], params.logprobs)
+
+    def _choice(self, c: CompletionOutput, params: SamplingParams) -> ChatChoice:
+        return ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                          logprobs=self._logprobs(c, params), finish_reason=c.finish_reason)
+
+    def _chunk(self, request_id: str, created: int, model: str, choices: list[dict[str, Any]],
+               include_usage: bool, usage: UsageInfo | None = None) -> str:
+        chunk: dict[str, Any] = {
+            "id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "system_fingerprint": None, "choices": choices,
+        }
+        if include_usage:
+            chunk["usage"] = None if usage is None else usage.model_dump()
+        return sse(chunk)
+
+    async def _stream(
+        self, request: ChatCompletionRequest, request_id: str, created: int, model: str,
+        stream: RequestStream, params: SamplingParams,
+    ) -> AsyncIterator[str]:
+        include_usage = request.include_usage
+        completion_tokens = 0
+        try:
+            for index in range(params.n):
+                role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}
+                yield self._chunk(request_id, created, model, [role], include_usage)
+            async for out in stream:
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    logprobs = self._logprobs(c, params)
+                    if not c.text and c.finish_reason is None and not (logprobs and logprobs.content):
+                        continue
+                    delta = {"content": c.text} if c.text else {}
+                    choice = {"index": c.index, "delta": delta,
+                              "logprobs": None if logprobs is None else logprobs.model_dump(),
+                              "finish_reason": c.finish_reason}
+                    yield self._chunk(request_id, created, model, [choice], include_usage)
+            if include_usage:
+                n_prompt = len(stream.prompt_token_ids)
+                usage = UsageInfo(prompt_tokens=n_prompt, completion_tokens=completion_tokens,
+                                  total_tokens=n_prompt + completion_tokens)
+                yield self._chunk(request_id, created, model, [], include_usage, usage)
+        except (EngineDeadError, EngineRequestError) as e:
+            yield stream_error(e)
+        finally:
+            stream.abort()
+        yield DONE

@@ -1,0 +1,1 @@
+"""The worker side of a step: the model runner (flatten batch -> forward -> sample) and CPU setup."""

@@ -1,0 +1,213 @@
+"""ModelRunner: turns one ``SchedulerOutput`` into one forward pass over the paged KV cache and samples.
+
+Per step: flatten the scheduled rows into one ragged batch (token ids, positions, slot mapping,
+block tables), run the model, take the hidden state at the last token of every row that samples,
+compute float32 logits there and call the sampler. The runner never decides who runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+
+import torch
+
+from tandem.attention import AttentionBackend, AttentionMetadata, token_positions
+from tandem.config import ConfigError, EngineConfig
+from tandem.kv_cache.storage import bytes_per_block, kv_cache_shape
+from tandem.models.hf_config import HFModelConfig, load_hf_config
+from tandem.models.llama import KVCache
+from tandem.models.loader import DTYPES, load_model
+from tandem.outputs import ModelRunnerOutput, SchedulerOutput
+from tandem.sample.sampler import Sampler, SamplingState
+from tandem.worker.cpu_env import configure_threads
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_context_len(requested: int | None, hf: HFModelConfig) -> int:
+    """The longest context (tokens) the runner serves: ``requested`` or the model's own.
+
+    NOTE: without a sliding-window kernel, full attention is exact only while the context fits in
+    the window, so a model with ``sliding_window`` (e.g. Mistral 7B v0.1) is clamped to it by default.
+
+    Raises:
+        ConfigError: ``requested`` exceeds ``max_position_embeddings`` or the sliding window.
+    """
+    if requested is None:
+        return hf.max_model_len
+    if requested > hf.max_position_embeddings:
+        raise ConfigError(
+            f"max_model_len {requested} exceeds the model's max_position_embeddings "
+            f"{hf.max_position_embeddings}"
+        )
+    if hf.sliding_window is not None and requested > hf.sliding_window:
+        raise ConfigError(
+            f"max_model_len {requested} exceeds the model's sliding window {hf.sliding_window}; "
+            f"sliding-window attention is not implemented, so use max_model_len <= {hf.sliding_window}"
+        )
+    return requested
+
+
+class ModelRunner:
+    """Loads a checkpoint and runs steps over a paged KV cache.
+
+    Args:
+        model_dir: a local Hugging Face checkpoint folder.
+        engine_config: dtype, max_model_len, seed (``model``), block size (``cache``), threads.
+        backend: paged attention implementation (default: the torch reference).
+        progress: show a tqdm bar while loading weights.
+
+    Attributes:
+        hf_config: the checkpoint's config; ``max_model_len``: context limit (tokens);
+        ``dtype_bytes``: bytes per KV cache element; ``num_blocks``: KV blocks allocated (0 before
+        ``initialize_kv_cache``).
+
+    Raises:
+        FileNotFoundError, CheckpointError, ConfigError: the checkpoint or configuration is unusable.
+    """
+
+    def __init__(
+        self,
+        model_dir: Path,
+        engine_config: EngineConfig,
+        backend: AttentionBackend | None = None,
+        progress: bool = True,
+    ) -> None:
+        self.num_threads = configure_threads(engine_config.num_threads)
+        self.config = engine_config
+        self.hf_config = load_hf_config(model_dir)
+        self.max_model_len = resolve_context_len(engine_config.model.max_model_len, self.hf_config)
+        self.dtype = DTYPES[engine_config.model.dtype]
+        self.dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
+        self.block_size = engine_config.cache.block_size
+        # NOTE: unseeded random sampling draws from torch's global generator; seeding it makes a whole
+        # run reproducible (requests with their own seed use their own generator).
+        torch.manual_seed(engine_config.model.seed)
+        self.model = load_model(
+            Path(model_dir), self.hf_config, self.dtype, self.max_model_len, backend, progress=progress
+        )
+        self.sampler = Sampler()
+        self.states: dict[str, SamplingState] = {}
+        self.kv_caches: list[KVCache] = []
+        self.num_blocks = 0
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        """Bytes one KV block of ``block_size`` tokens takes across all layers (K and V)."""
+        hf = self.hf_config
+        return bytes_per_block(block_size, hf.num_layers, hf.num_kv_heads, hf.head_dim, self.dtype_bytes)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate zeroed per-layer ``k_cache, v_cache [num_blocks, block_size, KV, D]`` (model dtype).
+
+        Changes: replaces ``kv_caches`` and ``num_blocks`` (any cached K/V is dropped).
+        """
+        self.kv_caches = self._allocate_kv(num_blocks)
+        self.num_blocks = num_blocks
+        logger.info("KV cache: %d blocks, %.3f GiB", num_blocks,
+                    num_blocks * self.kv_cache_bytes_per_block(self.block_size) / (1 << 30))
+
+    def _allocate_kv(self, num_blocks: int) -> list[KVCache]:
+        hf = self.hf_config
+        shape = kv_cache_shape(num_blocks, self.block_size, hf.num_kv_heads, hf.head_dim)
+        return [
+            (torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
+            for _ in range(hf.num_layers)
+        ]
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: forward all scheduled tokens, sample one token for each row with ``sample``.
+
+        Changes: per-request sampling state (adds ``new_requests``, drops ``finished_request_ids``,
+        appends sampled tokens, advances seeded generators); writes K/V into the cache at the
+        scheduled slots. Returns sampled tokens (and logprobs for requests that asked).
+
+        Raises:
+            RuntimeError: the KV cache is not initialized, or a row samples for an unknown request.
+            ValueError: a row's context exceeds ``max_model_len`` or its block table.
+        """
+        self._update_states(scheduler_output)
+        rows = scheduler_output.scheduled
+        if not rows:
+            return ModelRunnerOutput()
+        if not self.kv_caches:
+            raise RuntimeError("initialize_kv_cache() must be called before execute()")
+        sample_rows = [i for i, r in enumerate(rows) if r.sample]
+        states = [self._state(rows[i].request_id) for i in sample_rows]
+        with torch.inference_mode():
+            hidden = self._forward(
+                [r.token_ids for r in rows], [r.num_computed_tokens for r in rows],
+                [r.block_ids for r in rows], self.kv_caches,
+            )
+            if not sample_rows:
+                return ModelRunnerOutput()
+            last = torch.tensor(list(itertools.accumulate(len(r.token_ids) for r in rows))) - 1
+            logits = self.model.compute_logits(hidden[last[sample_rows]])
+            sampled = self.sampler(logits, states)
+        output = ModelRunnerOutput()
+        for i, state, token, logprobs in zip(
+            sample_rows, states, sampled.token_ids, sampled.logprobs, strict=True
+        ):
+            request_id = rows[i].request_id
+            state.output_token_ids.append(token)
+            output.sampled_token_ids[request_id] = [token]
+            if state.params.logprobs is not None and logprobs is not None:
+                output.logprobs[request_id] = [logprobs]
+        return output
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for request_id in scheduler_output.finished_request_ids:
+            self.states.pop(request_id, None)
+        for new in scheduler_output.new_requests:
+            self.states[new.request_id] = SamplingState.create(
+                new.sampling_params, new.prompt_token_ids, new.output_token_ids, new.eos_token_ids
+            )
+
+    def _state(self, request_id: str) -> SamplingState:
+        try:
+            return self.states[request_id]
+        except KeyError:
+            raise RuntimeError(
+                f"request {request_id!r} samples but was never sent as a new request"
+            ) from None
+
+    def _forward(
+        self,
+        token_ids: list[list[int]],
+        num_computed: list[int],
+        block_ids: list[list[int]],
+        kv_caches: list[KVCache],
+    ) -> torch.Tensor:
+        """Flatten rows into one ragged batch and run the model: returns hidden ``[T, hidden]``.
+
+        Raises:
+            ValueError: a row's context exceeds ``max_model_len`` or its block table.
+        """
+        counts = [len(t) for t in token_ids]
+        for c, n in zip(num_computed, counts, strict=True):
+            if c + n > self.max_model_len:
+                raise ValueError(f"context of {c + n} tokens exceeds max_model_len {self.max_model_len}")
+        meta = AttentionMetadata.build(num_computed, counts, block_ids, self.block_size)
+        input_ids = torch.tensor(list(itertools.chain.from_iterable(token_ids)), dtype=torch.int64)
+        positions = token_positions(meta.num_computed, torch.tensor(counts))
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def prompt_logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
+        """Float32 logits ``[T, vocab]`` at every position of ``token_ids`` (for parity tests).
+
+        The prompt runs through the paged path in chunks of ``chunk_size`` tokens (default: one
+        chunk) on a temporary KV cache with a non-contiguous block table; ``kv_caches`` and the
+        per-request state are not touched.
+        """
+        num_blocks = -(-len(token_ids) // self.block_size)
+        caches = self._allocate_kv(num_blocks)
+        # NOTE: reversed block ids so that even this path exercises a non-contiguous block table.
+        block_ids = list(reversed(range(num_blocks)))
+        chunk = chunk_size or len(token_ids)
+        logits = []
+        with torch.inference_mode():
+            for start in range(0, len(token_ids), chunk):
+                hidden = self._forward([token_ids[start : start + chunk]], [start], [block_ids], caches)
+                logits.append(self.model.compute_logits(hidden))
+        return torch.cat(logits)

