@@ -16,14 +16,15 @@ from tandem.bench.compare import DEFAULT_METRICS, parse_threshold, run_compare
 from tandem.bench.datasets import default_tokenizer_path, get_requests, load_tokenizer
 from tandem.bench.metrics import calculate_metrics, parse_goodput, parse_percentiles
 from tandem.bench.report import build_result, format_summary, save_json
-from tandem.bench.sweep import DEFAULT_CONCURRENCIES, run_sweep
+from tandem.bench.sweep import DEFAULT_CONCURRENCIES, prompts_for_level, run_sweep
 
 
 def _add_load_args(p: argparse.ArgumentParser, sweep: bool) -> None:
     """Flags shared by `serve` and `sweep`: server, dataset, arrivals, SLOs."""
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (a trailing /v1 is ok)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    p.add_argument("--model", default=None, help="model name to send (default: first of /v1/models)")
+    p.add_argument("--model", default=None, help="model name or local path (default: first of /v1/models)")
+    p.add_argument("--served-model-name", default=None, help="name sent in requests (default: --model)")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir or .gguf (default: --model if a path)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
     p.add_argument("--dataset", choices=["random", "jsonl", "sharegpt"], default="random")
@@ -93,7 +94,7 @@ def add_bench_parser(subparsers: Any) -> None:
 
 def _prepare(args: argparse.Namespace, num_prompts: int) -> tuple[BenchConfig, list, Any]:
     """Config, requests and tokenizer from parsed load flags (asks /v1/models if no --model)."""
-    model = args.model or fetch_model_id(args.base_url, args.api_key)
+    model = args.served_model_name or args.model or fetch_model_id(args.base_url, args.api_key)
     tokenizer = load_tokenizer(default_tokenizer_path(args.tokenizer, args.model))
     requests = get_requests(
         args.dataset, num_prompts=num_prompts, input_len=args.input_len, output_len=args.output_len,
@@ -140,8 +141,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         mode = "rate" if args.request_rates else "concurrency"
         spec = args.request_rates or args.concurrency
         levels = [float(x) if mode == "rate" else int(x) for x in spec.split(",") if x.strip()]
-        from tandem.bench.sweep import prompts_for_level
-
         pool_size = max(prompts_for_level(mode, level, args.num_prompts) for level in levels)
         config, requests, tokenizer = _prepare(args, pool_size)
     except (ValueError, OSError, httpx.HTTPError) as e:

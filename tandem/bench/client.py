@@ -29,7 +29,6 @@ from tandem.bench.datasets import SampleRequest
 from tandem.bench.memory import MemorySampler
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-FAILURE_KINDS = ("timeout", "connection_error", "malformed_stream")  # plus "http_<status>"
 
 
 @dataclass(frozen=True)
@@ -212,7 +211,7 @@ async def send_request(
                 await _read_stream(response, result, config.endpoint == "chat")
     except (TimeoutError, httpx.TimeoutException) as e:
         return result.fail("timeout", f"no complete answer within {config.timeout} s: {e!r}")
-    except httpx.TransportError as e:
+    except httpx.RequestError as e:  # transport faults, undecodable bodies
         kind = "malformed_stream" if answered else "connection_error"
         return result.fail(kind, repr(e))
     except (ValueError, TypeError, AttributeError, KeyError) as e:

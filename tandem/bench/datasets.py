@@ -115,6 +115,17 @@ def fit_prompt(
     raise ValueError(f"could not build a prompt of exactly {target} tokens")
 
 
+def _fit_with_retries(tokenizer: Any, target: int, pool: np.ndarray, rng: np.random.Generator) -> str:
+    """fit_prompt from fresh random tokens, up to three draws (a draw can merge unluckily)."""
+    for attempt in range(3):
+        try:
+            return fit_prompt(tokenizer, rng.choice(pool, target).tolist(), target, pool, rng)
+        except ValueError:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
 def random_requests(
     tokenizer: Any, num_prompts: int, input_len: int, output_len: int, range_ratio: float, seed: int
 ) -> list[SampleRequest]:
@@ -130,7 +141,7 @@ def random_requests(
     pool = _token_pool(tokenizer)
     requests = []
     for n_in, n_out in zip(in_lens, out_lens, strict=True):
-        text = fit_prompt(tokenizer, rng.choice(pool, n_in).tolist(), n_in, pool, rng)
+        text = _fit_with_retries(tokenizer, n_in, pool, rng)
         requests.append(SampleRequest(prompt=text, prompt_len=n_in, expected_output_len=n_out))
     return requests
 

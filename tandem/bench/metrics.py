@@ -12,6 +12,7 @@ interpolation), reported in milliseconds; an empty list reports 0 as vLLM does.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -95,6 +96,38 @@ def count_good(ttfts: list[float], tpots: list[float], e2els: list[float], slos_
     return sum(all(col[i] <= slo for col, slo in chosen) for i in range(len(ttfts)))
 
 
+@dataclass
+class _Columns:
+    """Per-request values of successful requests (seconds), plus token counts of all requests."""
+
+    input_lens: list[int] = field(default_factory=list)
+    output_lens: list[int] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    e2els: list[float] = field(default_factory=list)
+    itls: list[float] = field(default_factory=list)
+    tpots: list[float] = field(default_factory=list)  # requests with > 1 output token
+    all_tpots: list[float] = field(default_factory=list)  # every success; 0 for one token
+
+
+def _columns(results: list[RequestResult], tokenizer: Any | None) -> _Columns:
+    cols = _Columns()
+    for r in results:
+        cols.input_lens.append(r.prompt_len or 0)
+        if not r.success:
+            cols.output_lens.append(0)
+            continue
+        n_out = output_token_count(r, tokenizer)
+        cols.output_lens.append(n_out)
+        tpot = request_tpot(r, n_out)
+        if tpot is not None:
+            cols.tpots.append(tpot)
+        cols.all_tpots.append(tpot or 0.0)
+        cols.ttfts.append(r.ttft)
+        cols.e2els.append(r.latency)
+        cols.itls.extend(r.itl)
+    return cols
+
+
 def calculate_metrics(
     results: list[RequestResult],
     duration_s: float,
@@ -110,25 +143,10 @@ def calculate_metrics(
     """
     if duration_s <= 0:
         raise ValueError(f"duration must be > 0 s, got {duration_s}")
-    input_lens, output_lens, ttfts, e2els, itls, tpots, all_tpots = [], [], [], [], [], [], []
-    for r in results:
-        if not r.success:
-            input_lens.append(r.prompt_len or 0)
-            output_lens.append(0)
-            continue
-        n_out = output_token_count(r, tokenizer)
-        input_lens.append(r.prompt_len or 0)
-        output_lens.append(n_out)
-        tpot = request_tpot(r, n_out)
-        if tpot is not None:
-            tpots.append(tpot)
-        all_tpots.append(tpot or 0.0)
-        ttfts.append(r.ttft)
-        e2els.append(r.latency)
-        itls.extend(r.itl)
-    completed = len(ttfts)
-    total_input = sum(n for n, r in zip(input_lens, results, strict=True) if r.success)
-    total_output = sum(output_lens)
+    cols = _columns(results, tokenizer)
+    completed = len(cols.ttfts)
+    total_input = sum(n for n, r in zip(cols.input_lens, results, strict=True) if r.success)
+    total_output = sum(cols.output_lens)
     out: dict[str, Any] = {
         "duration": duration_s,
         "completed": completed,
@@ -142,13 +160,13 @@ def calculate_metrics(
         "total_token_throughput": (total_input + total_output) / duration_s,
     }
     if goodput_ms:
-        out["good_completed"] = count_good(ttfts, all_tpots, e2els, goodput_ms)
+        out["good_completed"] = count_good(cols.ttfts, cols.all_tpots, cols.e2els, goodput_ms)
         out["request_goodput"] = out["good_completed"] / duration_s
-    for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
+    for name, values in (("ttft", cols.ttfts), ("tpot", cols.tpots), ("itl", cols.itls), ("e2el", cols.e2els)):
         out.update(summarize(values, name, percentiles))
     out.update(
-        input_lens=input_lens,
-        output_lens=output_lens,
+        input_lens=cols.input_lens,
+        output_lens=cols.output_lens,
         ttfts=[r.ttft if r.success else 0.0 for r in results],
         e2els=[r.latency if r.success else 0.0 for r in results],
         itls=[r.itl for r in results],

@@ -173,10 +173,6 @@ class AsyncLLM:
     def is_healthy(self) -> bool:
         return self.dead is None and self.client.is_alive()
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._parents)
-
     async def add_request(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
         output_kind: str = "delta",

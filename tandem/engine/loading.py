@@ -9,8 +9,8 @@ from typing import Any
 
 from tandem.config import EngineConfig
 from tandem.engine.processor import InputProcessor
-from tandem.models.resolve import resolve_model_path
 from tandem.models.hf_config import HFModelConfig, load_hf_config
+from tandem.models.resolve import resolve_model_path
 from tandem.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

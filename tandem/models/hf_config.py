@@ -53,6 +53,8 @@ class HFModelConfig:
     ``generation_defaults`` holds the present ones of temperature / top_p / top_k / repetition_penalty
     from ``generation_config.json``. ``sliding_window`` is None when every layer attends to the full
     context (for Qwen2/Qwen3 it is only set when ``use_sliding_window`` is true).
+    ``attention_bias``: the q/k/v projections have biases (always for Qwen2); o_proj has one too
+    except in Qwen2 (see ``LlamaAttention.o_proj_bias``).
     """
 
     architecture: str

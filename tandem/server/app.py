@@ -85,6 +85,7 @@ def build_app(
     names = ModelNames(served_model_names)
     completions = OpenAIServingCompletion(engine, names)
     chat = OpenAIServingChat(engine, names)
+    started = int(time.time())
 
     async def check_api_key(raw: Request) -> None:
         if api_key is None:
@@ -105,7 +106,7 @@ def build_app(
 
     @v1.get("/models")
     async def list_models() -> dict[str, Any]:
-        cards = [ModelCard(id=name, created=int(time.time()), root=str(engine.frontend.model_dir),
+        cards = [ModelCard(id=name, created=started, root=str(engine.frontend.model_dir),
                            max_model_len=engine.max_model_len) for name in served_model_names]
         return ModelList(data=cards).model_dump()
 

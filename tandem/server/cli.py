@@ -1,6 +1,6 @@
 """``tandem serve``: load the tokenizer here, the model in an engine-core process, then run uvicorn.
 
-SIGTERM (or Ctrl-C): uvicorn stops accepting connections and lets in-flight requests finish for up
+SIGTERM or SIGINT (Ctrl-C): uvicorn stops accepting connections and lets in-flight requests finish for up
 to ``--shutdown-timeout`` seconds; then the engine core is stopped and the command exits 0.
 """
 
@@ -62,6 +62,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tandem.server.metrics import ServerMetrics
 
     signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, _exit_on_signal)
     logging.getLogger("tandem.requests").setLevel(logging.INFO)
     config = engine_config_from_args(args)
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
@@ -76,9 +77,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics = ServerMetrics(names[0], core_pid=lambda: engine.client.pid)
         engine.metrics = metrics
         app = build_app(engine, names, args.api_key, metrics)
-        print(f"tandem: serving {names[0]} on http://{args.host}:{args.port} "
-              f"(engine core pid {engine.client.pid}, ready in {time.monotonic() - t0:.1f} s)",
-              file=sys.stderr, flush=True)
+        print(f"tandem: engine ready in {time.monotonic() - t0:.1f} s (core pid {engine.client.pid}); "
+              f"serving {names[0]} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                     timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5)
     finally:

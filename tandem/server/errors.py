@@ -92,6 +92,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     if not errors:
         return bad_request("invalid request")
     first = errors[0]
+    if first.get("type") == "json_invalid":
+        return bad_request(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip())
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     message = first.get("msg", "invalid value")
