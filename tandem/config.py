@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _DTYPES = ("bfloat16", "float32")
+QUANTIZATION_METHODS = ("int8", "int4")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class ConfigError(ValueError):
@@ -17,6 +23,7 @@ class ModelConfig:
 
     ``model`` is a local folder (HF checkpoint), a ``.gguf`` file, or None for the default model
     (SmolLM2-135M-Instruct). ``max_model_len`` caps the context (tokens); None uses the model's own.
+    ``quantization`` stores the linear layers' weights as int8 or int4 (``tandem/models/quant.py``).
     """
 
     model: str | None = None
@@ -24,12 +31,15 @@ class ModelConfig:
     max_model_len: int | None = None
     chat_template: str | None = None
     seed: int = 0
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ConfigError(f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
 
 
 @dataclass(frozen=True)
@@ -45,11 +55,12 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
-        if self.kv_cache_gib <= 0:
-            raise ConfigError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
-        if self.num_blocks is not None and self.num_blocks < 2:
+        if not _is_int(self.block_size) or self.block_size < 1:
+            raise ConfigError(f"block_size must be an integer >= 1, got {self.block_size!r}")
+        if not isinstance(self.kv_cache_gib, int | float) or not math.isfinite(self.kv_cache_gib) \
+                or self.kv_cache_gib <= 0:
+            raise ConfigError(f"kv_cache_gib must be a finite number > 0, got {self.kv_cache_gib!r}")
+        if self.num_blocks is not None and (not _is_int(self.num_blocks) or self.num_blocks < 2):
             raise ConfigError(f"num_blocks must be >= 2, got {self.num_blocks}")
 
 
@@ -77,11 +88,60 @@ class SchedulerConfig:
             raise ConfigError("max_queue_len must be >= 0")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft", "pard", "self-quant")
+SELF_QUANT_TYPES = ("int8", "int4")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: how drafts are proposed and how many per step.
+
+    ``method``: "ngram" (prompt lookup over the request's own tokens, n in [``ngram_min``,
+    ``ngram_max``]), "draft" (a smaller model, ``speculative_model``, proposing autoregressively),
+    "pard" (a PARD draft proposing all tokens in one forward with ``pard_mask_token_id``, or the
+    draft's ``config.json`` key ``pard_token`` when None) or "self-quant" (the target's own weights
+    quantized to ``quantization`` int8 / int4 as the draft). ``num_speculative_tokens`` = k drafts
+    verified per step.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    speculative_model: str | None = None
+    pard_mask_token_id: int | None = None
+    ngram_min: int = 1
+    ngram_max: int = 4
+    quantization: str = "int8"
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                              f"got {self.num_speculative_tokens}")
+        if self.method in ("draft", "pard") and not self.speculative_model:
+            raise ConfigError(f"speculative method {self.method!r} needs speculative_model (a draft folder)")
+        if self.method in ("ngram", "self-quant") and self.speculative_model:
+            raise ConfigError(f"speculative method {self.method!r} takes no speculative_model")
+        if self.pard_mask_token_id is not None and self.pard_mask_token_id < 0:
+            raise ConfigError(f"pard_mask_token_id must be >= 0, got {self.pard_mask_token_id}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.quantization not in SELF_QUANT_TYPES:
+            raise ConfigError(f"quantization must be one of {SELF_QUANT_TYPES}, got {self.quantization!r}")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """True when drafts come from a model with its own KV cache (every method but ngram)."""
+        return self.method != "ngram"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine core needs, in one frozen bundle."""
+    """Everything the engine core needs, in one frozen bundle (``speculative`` None = no speculation)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None  # torch intra-op threads; None = all cores
+    speculative: SpeculativeConfig | None = None

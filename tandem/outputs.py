@@ -35,8 +35,11 @@ class NewRequestData:
 class ScheduledRequest:
     """One row of a step: run ``token_ids`` at positions ``num_computed_tokens ...``.
 
-    ``block_ids`` is the request's whole block table after this step's allocation.
+    ``block_ids`` is the request's whole block table after this step's allocation (with speculation
+    it may also cover a few lookahead slots where a draft model writes its proposals' K/V).
     ``sample`` is True when the chunk reaches the last known token, so a next token is sampled.
+    ``num_spec_tokens``: the last ``num_spec_tokens`` of ``token_ids`` are draft tokens to verify; the
+    runner then returns 1 to ``num_spec_tokens + 1`` tokens for this row.
     """
 
     request_id: str
@@ -44,10 +47,16 @@ class ScheduledRequest:
     num_computed_tokens: int
     block_ids: list[int]
     sample: bool
+    num_spec_tokens: int = 0
 
     @property
     def num_scheduled_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def spec_token_ids(self) -> list[int]:
+        """The draft tokens of this row (a new list; empty without speculation)."""
+        return self.token_ids[len(self.token_ids) - self.num_spec_tokens :]
 
 
 @dataclass
@@ -71,11 +80,16 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    """What one forward pass produced, per request that sampled (``ScheduledRequest.sample``)."""
+    """What one forward pass produced, per request that sampled (``ScheduledRequest.sample``).
+
+    With speculation a row's ``sampled_token_ids`` holds its accepted drafts plus one token from the
+    target (1 to k + 1 tokens), and ``spec_token_ids`` the drafts proposed for the next step.
+    """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Per request: one PositionLogprobs per sampled token (only for requests that asked for logprobs).
     logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -89,6 +103,9 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # Speculative decoding, cumulative for this request: drafts verified and drafts accepted (tokens).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -102,6 +119,9 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Speculative decoding (Tandem): draft tokens verified for this completion, and how many were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:

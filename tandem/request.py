@@ -46,6 +46,8 @@ class Request:
       - ``num_computed_tokens`` = tokens whose KV is in the cache. The scheduler schedules
         ``num_tokens - num_computed_tokens`` (capped by budget and chunk size) each step.
       - ``num_cached_tokens`` = prompt tokens served by the prefix cache on first schedule (-1: not yet).
+      - ``spec_token_ids`` = draft tokens to verify at the next step (speculative decoding); a step that
+        verifies s of them schedules ``1 + s`` tokens and keeps only the accepted ones.
     """
 
     request_id: str
@@ -62,10 +64,20 @@ class Request:
     max_tokens: int = 0  # effective max new tokens (resolved against the context length)
     first_scheduled_time: float | None = None
     block_hashes: list[int] = field(default_factory=list)
+    # Speculative decoding: drafts proposed after the last step, verified in the next one (not part of
+    # num_tokens until accepted), and cumulative verification counters (tokens).
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """``num_tokens`` plus the pending draft tokens."""
+        return self.num_tokens + len(self.spec_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 _GREEDY_EPS = 1e-5
+# A seed must fit torch.Generator.manual_seed (int64); n > 1 children use seed + i, wrapped (see child_seed).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The seed of child ``index`` of an ``n > 1`` request: seed + index, wrapped into the int64 range."""
+    return (seed + index - SEED_MIN) % 2**64 + SEED_MIN
 
 
 @dataclass
@@ -23,6 +35,8 @@ class SamplingParams:
     - ``logprobs`` N returns the sampled token's log-probability plus the N most likely tokens per
       position (log-softmax of the raw model logits, as vLLM does by default).
     - ``stop`` strings are cut from the text (unless ``include_stop_str_in_output``).
+    - ``speculative`` (Tandem only) False runs this request without drafts when the engine speculates;
+      the output distribution is the same either way, only the speed differs.
 
     Raises:
         ValueError: on any out-of-range value (checked in ``__post_init__``); the server maps it to
@@ -46,22 +60,46 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    speculative: bool = True  # Tandem: False opts this request out of the engine's speculative decoding
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self._check_types()
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
 
+    def _check_types(self) -> None:
+        """Rejects wrong types (bool is not an int here; NaN and infinities are not numbers here)."""
+        ints = ("n", "top_k", "min_tokens")
+        optional_ints = ("seed", "max_tokens", "logprobs")
+        floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+        for name in ints + optional_ints:
+            value = getattr(self, name)
+            if value is None and name in optional_ints:
+                continue
+            if not _is_int(value):
+                raise SamplingParamsError(f"{name} must be an integer, got {value!r}", name)
+        for name in floats:
+            value = getattr(self, name)
+            if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+                raise SamplingParamsError(f"{name} must be a finite number, got {value!r}", name)
+        if not all(_is_int(t) and 0 <= t < 2**31 for t in self.stop_token_ids):
+            raise SamplingParamsError(
+                f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}", "stop_token_ids"
+            )
+        if not all(isinstance(s, str) for s in self.stop):
+            raise SamplingParamsError("stop must be a string or a list of strings", "stop")
+
     def _validate(self) -> None:
         checks = [
-            (isinstance(self.n, int) and self.n >= 1, "n", f"n must be at least 1, got {self.n}"),
+            (self.n >= 1, "n", f"n must be at least 1, got {self.n}"),
             (self.temperature >= 0.0, "temperature", f"temperature must be >= 0, got {self.temperature}"),
             (0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
-            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
+            (self.top_k >= 0, "top_k",
              f"top_k must be -1 (disable), 0 (disable) or a positive integer, got {self.top_k}"),
             (0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}"),
             (self.repetition_penalty > 0.0, "repetition_penalty",
@@ -70,16 +108,16 @@ class SamplingParams:
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-             "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}"),
-            (isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
-             f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (self.max_tokens is None or 1 <= self.max_tokens < 2**31, "max_tokens",
+             f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (0 <= self.min_tokens < 2**31, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
-            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            (self.logprobs is None or 0 <= self.logprobs <= 20,
              "logprobs", f"logprobs must be an integer in [0, 20], got {self.logprobs}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty"),
-            (self.seed is None or isinstance(self.seed, int), "seed", "seed must be an integer"),
+            (all(self.stop), "stop", "stop strings must be non-empty"),
+            (self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, "seed",
+             f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}"),
         ]
         for ok, param, message in checks:
             if not ok:

@@ -11,9 +11,10 @@ from typing import Any
 
 import httpx
 
-from tandem.bench.client import BenchConfig, fetch_model_id, run_benchmark
+from tandem.bench.client import BenchConfig, fetch_models, run_benchmark
 from tandem.bench.compare import DEFAULT_METRICS, parse_threshold, run_compare
-from tandem.bench.datasets import default_tokenizer_path, get_requests, load_tokenizer
+from tandem.bench.datasets import default_tokenizer_path, get_requests, load_tokenizer, workload_settings
+from tandem.bench.memory import server_process
 from tandem.bench.metrics import calculate_metrics, parse_goodput, parse_percentiles
 from tandem.bench.report import build_result, format_summary, save_json
 from tandem.bench.sweep import DEFAULT_CONCURRENCIES, prompts_for_level, run_sweep
@@ -25,7 +26,9 @@ def _add_load_args(p: argparse.ArgumentParser, sweep: bool) -> None:
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--model", default=None, help="model name or local path (default: first of /v1/models)")
     p.add_argument("--served-model-name", default=None, help="name sent in requests (default: --model)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer dir or .gguf (default: --model if a path)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer dir or .gguf (default: --model if a path, else the server's model "
+                        "`root` from /v1/models if that is a local path)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
     p.add_argument("--dataset", choices=["random", "jsonl", "sharegpt"], default="random")
     p.add_argument("--dataset-path", default=None, help="file for --dataset jsonl|sharegpt")
@@ -92,10 +95,56 @@ def add_bench_parser(subparsers: Any) -> None:
     off.set_defaults(func=cmd_offline)
 
 
+def _model_and_tokenizer_path(args: argparse.Namespace) -> tuple[str, str | None]:
+    """The model name to send and the tokenizer path.
+
+    Flags first (--served-model-name/--model; --tokenizer, else --model when it is a path). What is
+    still missing comes from GET /v1/models: the first card's id, and the `root` of the chosen card
+    (vLLM and Tandem report the folder the model was loaded from) when it is an existing local path.
+    Raises httpx.HTTPError/ValueError only when no model name is known and /v1/models fails.
+    """
+    model = args.served_model_name or args.model
+    tokenizer_path = default_tokenizer_path(args.tokenizer, args.model)
+    if model is not None and tokenizer_path is not None:
+        return model, tokenizer_path
+    try:
+        cards = fetch_models(args.base_url, args.api_key)
+    except (httpx.HTTPError, ValueError):
+        if model is None:
+            raise
+        return model, None  # NOTE: datasets that need a tokenizer say so themselves
+    card = cards[0] if model is None else next((c for c in cards if c["id"] == model), {})
+    root = card.get("root")
+    if tokenizer_path is None and isinstance(root, str) and root and os.path.exists(root):
+        tokenizer_path = root
+        print(f"tokenizer: {root} (the server's model root)")
+    return model or card["id"], tokenizer_path
+
+
+def _check_load_args(args: argparse.Namespace, num_prompts: int) -> None:
+    """Reject bad sizes and an unknown --server-pid before any request is built. Raises ValueError."""
+    if args.output_len is not None and args.output_len < 1:
+        raise ValueError(f"--output-len must be >= 1, got {args.output_len}")
+    if args.input_len < 1:
+        raise ValueError(f"--input-len must be >= 1, got {args.input_len}")
+    if num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
+    if args.server_pid is not None:
+        server_process(args.server_pid)
+
+
+def _workload(args: argparse.Namespace) -> dict[str, Any]:
+    return workload_settings(args.dataset, args.input_len, args.output_len, args.range_ratio, args.dataset_path)
+
+
 def _prepare(args: argparse.Namespace, num_prompts: int) -> tuple[BenchConfig, list, Any]:
-    """Config, requests and tokenizer from parsed load flags (asks /v1/models if no --model)."""
-    model = args.served_model_name or args.model or fetch_model_id(args.base_url, args.api_key)
-    tokenizer = load_tokenizer(default_tokenizer_path(args.tokenizer, args.model))
+    """Config, requests and tokenizer from parsed load flags (see `_model_and_tokenizer_path`).
+
+    Raises ValueError/OSError/httpx.HTTPError for bad flags, files or an unreachable server.
+    """
+    _check_load_args(args, num_prompts)
+    model, tokenizer_path = _model_and_tokenizer_path(args)
+    tokenizer = load_tokenizer(tokenizer_path)
     requests = get_requests(
         args.dataset, num_prompts=num_prompts, input_len=args.input_len, output_len=args.output_len,
         range_ratio=args.range_ratio, seed=args.seed, tokenizer=tokenizer, dataset_path=args.dataset_path,
@@ -125,7 +174,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return _fail(str(e))
     run = run_benchmark(config, requests)
     metrics = calculate_metrics(run.results, run.duration_s, percentiles, goodput, tokenizer)
-    result = build_result(config, run, metrics)
+    result = build_result(config, run, metrics, _workload(args))
     print(format_summary(result, percentiles))
     if args.save_result:
         save_json(result, args.save_result)
@@ -147,7 +196,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         return _fail(str(e))
     report = run_sweep(
         config, requests, mode=mode, levels=levels, output_dir=args.output_dir, percentiles=percentiles,
-        goodput_ms=goodput, tokenizer=tokenizer, num_prompts=args.num_prompts,
+        goodput_ms=goodput, tokenizer=tokenizer, num_prompts=args.num_prompts, workload=_workload(args),
     )
     print(f"\nwrote {args.output_dir}/results.json, results.md and PNG plots")
     return 0 if all(run["completed"] for run in report["runs"]) else 1

@@ -276,7 +276,7 @@ def run_benchmark(config: BenchConfig, requests: list[SampleRequest]) -> BenchRu
     """Send `requests` with the configured arrivals and concurrency; block until all finish.
 
     Samples the server's RSS during the run when `config.server_pid` is set.
-    Raises ValueError on an empty request list; psutil.NoSuchProcess for a bad server_pid.
+    Raises ValueError on an empty request list or a server_pid naming no process.
     """
     if not requests:
         raise ValueError("no requests to send")
@@ -292,11 +292,12 @@ def run_benchmark(config: BenchConfig, requests: list[SampleRequest]) -> BenchRu
     return run
 
 
-def fetch_model_id(base_url: str, api_key: str | None = None, timeout: float = 30.0) -> str:
-    """First model id listed by the server's `GET /v1/models`.
+def fetch_models(base_url: str, api_key: str | None = None, timeout: float = 30.0) -> list[dict[str, Any]]:
+    """The model cards of the server's `GET /v1/models` (`id`, and for vLLM/Tandem `root`: the
+    path or repo the model was loaded from).
 
     Raises httpx.HTTPError when the server is unreachable or answers an error, ValueError when
-    the list is empty.
+    the list is empty or not a list of objects with an `id`.
     """
     base = base_url.rstrip("/").removesuffix("/v1")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -305,4 +306,11 @@ def fetch_model_id(base_url: str, api_key: str | None = None, timeout: float = 3
     models = response.json().get("data") or []
     if not models:
         raise ValueError(f"{base}/v1/models lists no model; pass --model")
-    return models[0]["id"]
+    if not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in models):
+        raise ValueError(f"{base}/v1/models: malformed model list")
+    return models
+
+
+def fetch_model_id(base_url: str, api_key: str | None = None, timeout: float = 30.0) -> str:
+    """First model id listed by the server's `GET /v1/models` (errors as `fetch_models`)."""
+    return fetch_models(base_url, api_key, timeout)[0]["id"]

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+DEFAULT_OUTPUT_LEN = 128  # max_tokens of random/jsonl requests without --output-len (as vLLM)
 # NOTE: decode -> re-encode rarely needs more than two rounds; the cap turns a tokenizer that
 # cannot round-trip into a clear error instead of an endless loop.
 _MAX_FIT_ROUNDS = 32
@@ -228,14 +229,40 @@ def get_requests(
     """Dispatch on the dataset name (`random`, `jsonl`, `sharegpt`).
 
     output_len None means the dataset default (128 for random/jsonl, the reply's length for
-    sharegpt). Raises ValueError for an unknown name or a missing `dataset_path`.
+    sharegpt). Raises ValueError for an unknown name, a missing `dataset_path`, or an
+    output_len / num_prompts below 1.
     """
+    if output_len is not None and output_len < 1:
+        raise ValueError(f"--output-len must be >= 1, got {output_len}")
+    if num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
     if dataset == "random":
-        return random_requests(tokenizer, num_prompts, input_len, output_len or 128, range_ratio, seed)
+        n_out = DEFAULT_OUTPUT_LEN if output_len is None else output_len
+        return random_requests(tokenizer, num_prompts, input_len, n_out, range_ratio, seed)
     if dataset not in ("jsonl", "sharegpt"):
         raise ValueError(f"unknown dataset {dataset!r}; choose random, jsonl or sharegpt")
     if not dataset_path:
         raise ValueError(f"--dataset {dataset} needs --dataset-path")
     if dataset == "jsonl":
-        return jsonl_requests(dataset_path, num_prompts, output_len or 128, tokenizer, seed)
+        n_out = DEFAULT_OUTPUT_LEN if output_len is None else output_len
+        return jsonl_requests(dataset_path, num_prompts, n_out, tokenizer, seed)
     return sharegpt_requests(dataset_path, num_prompts, output_len, tokenizer, seed)
+
+
+def workload_settings(
+    dataset: str, input_len: int, output_len: int | None, range_ratio: float, dataset_path: str | None
+) -> dict[str, Any]:
+    """What a saved result records about its prompts, for `tandem bench compare` to check that two
+    runs sent the same load: `dataset`, `dataset_path`, `input_len` (random only, else None),
+    `output_len` (the max_tokens default in effect; None = each ShareGPT reply's length) and
+    `range_ratio` (random only)."""
+    random_set = dataset == "random"
+    if output_len is None and dataset != "sharegpt":
+        output_len = DEFAULT_OUTPUT_LEN
+    return {
+        "dataset": dataset,
+        "dataset_path": None if random_set else dataset_path,
+        "input_len": input_len if random_set else None,
+        "output_len": output_len,
+        "range_ratio": range_ratio if random_set else None,
+    }

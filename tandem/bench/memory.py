@@ -19,17 +19,35 @@ def tree_rss_bytes(root: psutil.Process) -> int:
     return total
 
 
+def server_process(pid: int) -> psutil.Process:
+    """The process `pid` (the `--server-pid` to sample).
+
+    Raises ValueError when no such process exists or it cannot be inspected, so the CLI can print a
+    one-line error instead of a psutil traceback.
+    """
+    try:
+        process = psutil.Process(pid)
+        process.memory_info()
+    except psutil.NoSuchProcess:
+        raise ValueError(f"--server-pid {pid}: no such process") from None
+    except psutil.AccessDenied:
+        raise ValueError(f"--server-pid {pid}: not allowed to read its memory") from None
+    except (ValueError, OverflowError):  # psutil rejects negative / too-large pids with ValueError
+        raise ValueError(f"--server-pid {pid}: not a valid process id") from None
+    return process
+
+
 class MemorySampler:
     """Samples `tree_rss_bytes(pid)` every `interval_s` seconds between start() and stop().
 
     peak_bytes: highest sample seen (bytes); first_bytes / last_bytes: first and last samples.
     NOTE: RSS counts shared pages (mmapped weights) once per process, so a server that forks
     workers over the same weights reports more than it uses; this matches what `ps` and most
-    dashboards show. Raises psutil.NoSuchProcess at construction for an unknown pid.
+    dashboards show. Raises ValueError at construction for an unknown pid (see `server_process`).
     """
 
     def __init__(self, pid: int, interval_s: float = 0.1) -> None:
-        self._process = psutil.Process(pid)
+        self._process = server_process(pid)
         self._interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="bench-rss", daemon=True)

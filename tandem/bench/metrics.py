@@ -6,7 +6,9 @@ produced more than one token. ITL gaps are pooled over all requests. Throughputs
 run's wall time: request (completed/s), output tokens/s, total (input + output) tokens/s, and
 goodput (requests/s meeting every SLO; a one-token request has TPOT 0 for the SLO check). Each
 latency gets mean, median, std (population) and the chosen percentiles (numpy linear
-interpolation), reported in milliseconds; an empty list reports 0 as vLLM does.
+interpolation), reported in milliseconds. A latency with no sample (no successful request, or no
+request of more than one token for TPOT/ITL) is None (JSON null), not vLLM's 0: a run in which
+everything failed must not look infinitely fast to `tandem bench compare`.
 """
 
 from __future__ import annotations
@@ -58,10 +60,14 @@ def percentile_key(p: float) -> str:
     return f"p{int(p)}" if float(p).is_integer() else f"p{p}"
 
 
-def summarize(values_s: list[float], name: str, percentiles: list[float]) -> dict[str, float]:
-    """mean/median/std/percentiles of `values_s` (seconds) as `{stat}_{name}_ms` keys."""
-    arr = np.asarray(values_s or [0.0], dtype=np.float64) * 1000.0
-    out = {
+def summarize(values_s: list[float], name: str, percentiles: list[float]) -> dict[str, float | None]:
+    """mean/median/std/percentiles of `values_s` (seconds) as `{stat}_{name}_ms` keys; every value
+    is None when `values_s` is empty."""
+    if not values_s:
+        keys = ["mean", "median", "std", *(percentile_key(p) for p in percentiles)]
+        return {f"{key}_{name}_ms": None for key in keys}
+    arr = np.asarray(values_s, dtype=np.float64) * 1000.0
+    out: dict[str, float | None] = {
         f"mean_{name}_ms": float(np.mean(arr)),
         f"median_{name}_ms": float(np.median(arr)),
         f"std_{name}_ms": float(np.std(arr)),
@@ -138,8 +144,9 @@ def calculate_metrics(
     """Aggregate metrics of one run as a flat dict with vLLM's saved-result key names.
 
     Counts and token totals are integers; throughputs are per second of `duration_s`; latencies
-    in ms. Per-request lists (seconds, input order, 0 for failures) are kept for CDF plots.
-    `failures` maps each error kind to its count. Raises ValueError if duration_s <= 0.
+    in ms (None without samples, see the module docstring); `success_rate` is completed / sent
+    (None for no request). Per-request lists (seconds, input order, None for failures) are kept for
+    CDF plots. `failures` maps each error kind to its count. Raises ValueError if duration_s <= 0.
     """
     if duration_s <= 0:
         raise ValueError(f"duration must be > 0 s, got {duration_s}")
@@ -151,6 +158,7 @@ def calculate_metrics(
         "duration": duration_s,
         "completed": completed,
         "failed": len(results) - completed,
+        "success_rate": completed / len(results) if results else None,
         "failures": dict(Counter(r.error_kind for r in results if not r.success)),
         "total_input_tokens": total_input,
         "total_output_tokens": total_output,
@@ -167,8 +175,8 @@ def calculate_metrics(
     out.update(
         input_lens=cols.input_lens,
         output_lens=cols.output_lens,
-        ttfts=[r.ttft if r.success else 0.0 for r in results],
-        e2els=[r.latency if r.success else 0.0 for r in results],
+        ttfts=[r.ttft if r.success else None for r in results],
+        e2els=[r.latency if r.success else None for r in results],
         itls=[r.itl for r in results],
         errors=[r.error for r in results],
         error_kinds=[r.error_kind for r in results],

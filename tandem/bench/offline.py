@@ -22,6 +22,9 @@ import numpy as np
 
 # A generate function: (prompt id lists, max_tokens) -> generated token count per prompt.
 GenerateFn = Callable[[list[list[int]], int], list[int]]
+# A loaded backend: its generate function, its tokenizer, and its context length in tokens (None if
+# the model does not say).
+Backend = tuple[GenerateFn, Any, int | None]
 
 
 @dataclass(frozen=True)
@@ -96,8 +99,8 @@ def measure(
     )
 
 
-def tandem_backend(model: str | None, dtype: str, num_threads: int | None) -> tuple[GenerateFn, Any]:
-    """(generate fn, tokenizer) over `tandem.LLM`; greedy, EOS ignored."""
+def tandem_backend(model: str | None, dtype: str, num_threads: int | None) -> Backend:
+    """(generate fn, tokenizer, max_model_len) over `tandem.LLM`; greedy, EOS ignored."""
     from tandem import LLM, SamplingParams
 
     kwargs = {"num_threads": num_threads} if num_threads else {}
@@ -108,7 +111,7 @@ def tandem_backend(model: str | None, dtype: str, num_threads: int | None) -> tu
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         return [len(o.outputs[0].token_ids) for o in outs]
 
-    return generate, llm.get_tokenizer()
+    return generate, llm.get_tokenizer(), int(llm.engine.max_model_len)
 
 
 def resolve_hf_dir(model: str | None) -> str:
@@ -121,9 +124,9 @@ def resolve_hf_dir(model: str | None) -> str:
     return str(resolve_model_path(model))
 
 
-def hf_backend(model: str | None, dtype: str, num_threads: int | None) -> tuple[GenerateFn, Any]:
-    """(generate fn, tokenizer) over transformers `generate()`; greedy, EOS suppressed by
-    min_new_tokens = max_new_tokens."""
+def hf_backend(model: str | None, dtype: str, num_threads: int | None) -> Backend:
+    """(generate fn, tokenizer, max_position_embeddings) over transformers `generate()`; greedy,
+    EOS suppressed by min_new_tokens = max_new_tokens."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -148,7 +151,15 @@ def hf_backend(model: str | None, dtype: str, num_threads: int | None) -> tuple[
             )
         return [out.shape[1] - ids.shape[1]] * ids.shape[0]
 
-    return generate, tokenizer
+    return generate, tokenizer, getattr(hf_model.config, "max_position_embeddings", None)
+
+
+def check_context(backend: str, input_len: int, output_len: int, context: int | None) -> None:
+    """Raise ValueError when a prompt plus its output cannot fit the model's context: the engine
+    would stop short (or transformers run past the trained length) and the numbers mean nothing."""
+    if context is not None and input_len + output_len > context:
+        raise ValueError(f"{backend}: input {input_len} + output {output_len} > context {context} of the "
+                         "model; lower --input-len or --output-len")
 
 
 BACKENDS = {"tandem": tandem_backend, "hf": hf_backend}
@@ -167,17 +178,21 @@ def run_offline(
 ) -> list[OfflineResult]:
     """Measure each backend on the same prompts (built with the first backend's tokenizer).
 
-    Raises ValueError for an unknown backend or non-positive sizes.
+    Raises ValueError for an unknown backend, non-positive sizes, or input_len + output_len over a
+    backend's context (checked right after loading it, before any generation).
     """
-    if input_len < 1 or batch_size < 1:
-        raise ValueError("input_len and batch_size must be >= 1")
+    for name, value in (("input-len", input_len), ("output-len", output_len), ("batch-size", batch_size),
+                        ("num-iters", num_iters)):
+        if value < 1:
+            raise ValueError(f"--{name} must be >= 1, got {value}")
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
         raise ValueError(f"unknown backend(s) {unknown}; choose from {sorted(BACKENDS)}")
     results: list[OfflineResult] = []
     prompts: list[list[int]] | None = None
     for name in backends:
-        generate, tokenizer = BACKENDS[name](model, dtype, num_threads)
+        generate, tokenizer, context = BACKENDS[name](model, dtype, num_threads)
+        check_context(name, input_len, output_len, context)
         if prompts is None:
             prompts = random_prompt_ids(tokenizer, batch_size, input_len, seed)
         results.append(measure(name, generate, prompts, output_len, num_iters))

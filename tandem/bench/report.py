@@ -21,9 +21,12 @@ _TITLES = {
 }
 
 
-def build_result(config: BenchConfig, run: BenchRun, metrics: dict[str, Any]) -> dict[str, Any]:
-    """The saved result of one run: run settings, then `metrics` (vLLM's saved-result keys),
-    then `peak_server_rss_bytes`. An infinite request rate is stored as the string "inf"."""
+def build_result(
+    config: BenchConfig, run: BenchRun, metrics: dict[str, Any], workload: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The saved result of one run: run settings (with `workload`, the prompt settings of
+    `datasets.workload_settings`), then `metrics` (vLLM's saved-result keys), then
+    `peak_server_rss_bytes`. An infinite request rate is stored as the string "inf"."""
     rate = config.request_rate
     return {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
@@ -31,6 +34,7 @@ def build_result(config: BenchConfig, run: BenchRun, metrics: dict[str, Any]) ->
         "base_url": config.base_url,
         "endpoint": config.endpoint,
         "model_id": config.model,
+        **(workload or {}),
         "num_prompts": len(run.results),
         "request_rate": "inf" if math.isinf(rate) else rate,
         "burstiness": config.burstiness,
@@ -43,8 +47,14 @@ def build_result(config: BenchConfig, run: BenchRun, metrics: dict[str, Any]) ->
     }
 
 
+def _ms(value: float | None) -> str:
+    """A latency cell of the console summary: "n/a" when there was no sample (no success)."""
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def format_summary(result: dict[str, Any], percentiles: list[float]) -> str:
-    """Console summary in the layout of `vllm bench serve`, so the two read side by side."""
+    """Console summary in the layout of `vllm bench serve`, so the two read side by side; latencies
+    without samples (e.g. every request failed) print as "n/a", not 0.00."""
     rows: list[tuple[str, Any]] = [
         ("Successful requests:", result["completed"]),
         ("Failed requests:", result["failed"]),
@@ -70,11 +80,11 @@ def format_summary(result: dict[str, Any], percentiles: list[float]) -> str:
     for name in LATENCY_METRICS:
         lines.append("{s:{c}^50}".format(s=_TITLES[name], c="-"))
         upper = name.upper()
-        lines.append(f"{'Mean ' + upper + ' (ms):':<40}{result[f'mean_{name}_ms']:<10.2f}")
-        lines.append(f"{'Median ' + upper + ' (ms):':<40}{result[f'median_{name}_ms']:<10.2f}")
+        lines.append(f"{'Mean ' + upper + ' (ms):':<40}{_ms(result[f'mean_{name}_ms']):<10}")
+        lines.append(f"{'Median ' + upper + ' (ms):':<40}{_ms(result[f'median_{name}_ms']):<10}")
         for p in percentiles:
             key = percentile_key(p)
-            lines.append(f"{key.upper() + ' ' + upper + ' (ms):':<40}{result[f'{key}_{name}_ms']:<10.2f}")
+            lines.append(f"{key.upper() + ' ' + upper + ' (ms):':<40}{_ms(result[f'{key}_{name}_ms']):<10}")
     lines.append("=" * 50)
     return "\n".join(lines)
 
@@ -146,6 +156,17 @@ def _save(fig: Any, path: str) -> str:
     return path
 
 
+def cdf_points(values: list[float]) -> tuple[list[float], list[float]]:
+    """Step points of the empirical CDF of `values`, starting at (0, 0): plotted with
+    `where="post"` the curve rises from 0 at each sample to 1 at the largest."""
+    xs = sorted(values)
+    return [0.0, *xs], [0.0, *(i / len(xs) for i in range(1, len(xs) + 1))]
+
+
+def _nan(value: float | None) -> float:
+    return np.nan if value is None else value
+
+
 def plot_sweep(runs: list[dict[str, Any]], x_key: str, folder: str) -> list[str]:
     """Write throughput.png, ttft.png, tpot.png and latency_cdf.png into `folder`.
 
@@ -160,16 +181,17 @@ def plot_sweep(runs: list[dict[str, Any]], x_key: str, folder: str) -> list[str]
     paths.append(_save(fig, os.path.join(folder, "throughput.png")))
     for name in ("ttft", "tpot"):
         fig, ax = _figure(_TITLES[name], label, "ms", xs)
-        ax.plot(xs, [run[f"median_{name}_ms"] for run in runs], marker="o", label="p50")
-        ax.plot(xs, [run.get(f"p99_{name}_ms", np.nan) for run in runs], marker="s", label="p99")
+        ax.plot(xs, [_nan(run[f"median_{name}_ms"]) for run in runs], marker="o", label="p50")
+        ax.plot(xs, [_nan(run.get(f"p99_{name}_ms")) for run in runs], marker="s", label="p99")
         ax.legend()
         paths.append(_save(fig, os.path.join(folder, f"{name}.png")))
     fig, ax = _figure("Latency CDF (end-to-end, successful requests)", "E2EL (ms)", "fraction", None)
     for run in runs:
         ok = [e * 1000 for e, k in zip(run["e2els"], run["error_kinds"], strict=True) if k is None]
         if ok:
-            ys = np.arange(1, len(ok) + 1) / len(ok)
-            ax.step(sorted(ok), ys, where="post", label=f"{x_key}={run[x_key]}")
+            ax.step(*cdf_points(ok), where="post", label=f"{x_key}={run[x_key]}")
+    ax.set_xlim(left=0)
+    ax.set_ylim(0, 1.02)
     ax.legend(fontsize="small")
     paths.append(_save(fig, os.path.join(folder, "latency_cdf.png")))
     return paths

@@ -52,10 +52,12 @@ def run_sweep(
     tokenizer: Any | None = None,
     num_prompts: int | None = None,
     verbose: bool = True,
+    workload: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run every level in order and write the report folder.
 
-    `requests` is the pool each level takes its first N requests from (cycled if shorter).
+    `requests` is the pool each level takes its first N requests from (cycled if shorter);
+    `workload` (prompt settings) is saved with each level's result.
     Percentile 99 is always computed (the plots and table need it). Returns the results.json
     content: {"mode", "x_key", "levels", "runs": [saved result per level]}.
     Raises ValueError for an unknown mode or an empty ladder.
@@ -73,7 +75,7 @@ def run_sweep(
         batch = [requests[i % len(requests)] for i in range(n)]
         run = run_benchmark(config, batch)
         metrics = calculate_metrics(run.results, run.duration_s, pcts, goodput_ms, tokenizer)
-        result = build_result(config, run, metrics)
+        result = build_result(config, run, metrics, workload)
         runs.append(result)
         if verbose:
             print(f"\n{x_key} = {level}")

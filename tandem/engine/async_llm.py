@@ -11,14 +11,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from tandem.config import EngineConfig
 from tandem.engine.core_client import EngineCoreClient
 from tandem.engine.core_proc import AddResult, CoreFailed, CoreStats, StepOutputs
-from tandem.engine.loading import Frontend, load_frontend
+from tandem.engine.loading import Frontend, load_chat_template, load_frontend
 from tandem.engine.output_processor import OutputProcessor
 from tandem.models.resolve import resolve_model_path
 from tandem.outputs import EngineCoreOutput, RequestOutput
@@ -26,6 +27,7 @@ from tandem.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 request_logger = logging.getLogger("tandem.requests")
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -49,6 +51,7 @@ class EngineMetrics(Protocol):
     def record_first_token(self, ttft: float, num_prompt_tokens: int) -> None: ...
     def record_tokens(self, num_tokens: int, itl: float | None) -> None: ...
     def record_finished(self, finish_reason: str, e2e: float) -> None: ...
+    def clear_gauges(self) -> None: ...
 
 
 @dataclass
@@ -122,11 +125,12 @@ class AsyncLLM:
         client: a started ``EngineCoreClient``.
         metrics: receives timings and counters (optional).
         log_requests: include prompt text and parameters in the request log.
+        max_queue_len: the core's waiting-queue bound (0 = unbounded), for requests that can never fit it.
     """
 
     def __init__(
         self, frontend: Frontend, client: EngineCoreClient, metrics: EngineMetrics | None = None,
-        log_requests: bool = False,
+        log_requests: bool = False, max_queue_len: int = 0,
     ) -> None:
         self.frontend = frontend
         self.tokenizer = frontend.tokenizer
@@ -136,6 +140,10 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(frontend.tokenizer)
         self.metrics = metrics
         self.log_requests = log_requests
+        self.max_queue_len = max_queue_len
+        # NOTE: one thread, as in vLLM: tokenizing and chat templating a long prompt take seconds and
+        # must not hold the event loop (HF tokenizers release the GIL); one worker keeps calls serial.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenizer")
         self.dead: EngineDeadError | None = None
         self.last_stats = CoreStats()
         self._parents: dict[str, _Parent] = {}
@@ -154,6 +162,7 @@ class AsyncLLM:
             FileNotFoundError / ValueError: bad model path or config.
             EngineCoreStartError: the core process failed while loading.
         """
+        load_chat_template(config.model.chat_template)  # NOTE: a bad --chat-template fails before the core starts
         # NOTE: the core process loads torch and the weights while this one loads the tokenizer.
         client = EngineCoreClient.start(resolve_model_path(config.model.model), config, log_level)
         try:
@@ -162,7 +171,7 @@ class AsyncLLM:
         except BaseException:
             client.close()
             raise
-        return cls(frontend, client, metrics, log_requests)
+        return cls(frontend, client, metrics, log_requests, config.scheduler.max_queue_len)
 
     async def start(self) -> None:
         """Starts reading the core's outputs on the running loop (call once, inside the server)."""
@@ -172,6 +181,10 @@ class AsyncLLM:
     @property
     def is_healthy(self) -> bool:
         return self.dead is None and self.client.is_alive()
+
+    async def run_in_tokenizer(self, fn: Callable[..., T], *args: object) -> T:
+        """Runs ``fn(*args)`` (tokenizing, chat templating, detokenizing) off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
     async def add_request(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
@@ -196,19 +209,18 @@ class AsyncLLM:
                         [r.request_id for r in requests], time.monotonic(), loop.create_future())
         for r in requests:
             r.arrival_time = state.arrival
-        self._parents[request_id] = state
         if self.log_requests:
             request_logger.info("received request %s: prompt=%r prompt_token_ids=%s params=%s",
                                 request_id, prompt, prompt_token_ids, params)
-        self.client.add_requests(request_id, requests)
+        self._parents[request_id] = state
         try:
+            self.client.add_requests(request_id, requests)
             await state.accepted
         except asyncio.CancelledError:
-            self.client.abort_requests(state.child_ids)
-            self._drop(state)
+            self.abort(request_id)  # NOTE: sent and maybe queued: the core must drop it; counted as aborted
             raise
         except BaseException:
-            self._drop(state)
+            self._drop(state)  # NOTE: not sent (encoding failed), refused, or the core died: nothing to count
             raise
         return RequestStream(self, state)
 
@@ -222,16 +234,25 @@ class AsyncLLM:
             yield out
 
     def abort(self, request_id: str) -> None:
-        """Aborts an unfinished prompt: the core frees its KV blocks; logged as finish "abort"."""
+        """Aborts an unfinished prompt: the core frees its KV blocks; each unfinished child is logged
+        and counted (``request_success{finished_reason="abort"}``, e2e latency) as vLLM does."""
         state = self._parents.get(request_id)
         if state is None or state.done:
             return
         live = [cid for i, cid in enumerate(state.child_ids) if i not in state.finish_reasons]
         if self.dead is None:
             self.client.abort_requests(live)
-        for i in range(len(state.child_ids)):
-            state.finish_reasons.setdefault(i, "abort")
         self._drop(state)
+        self._finish_as_aborted(state)
+
+    def _finish_as_aborted(self, state: _Parent) -> None:
+        """Marks the unfinished children "abort", counts them in the metrics and logs the prompt."""
+        e2e = time.monotonic() - state.arrival
+        for i in range(len(state.child_ids)):
+            if i not in state.finish_reasons:
+                state.finish_reasons[i] = "abort"
+                if self.metrics is not None:
+                    self.metrics.record_finished("abort", e2e)
         self._log_finished(state)
 
     def _drop(self, state: _Parent) -> None:
@@ -342,16 +363,33 @@ class AsyncLLM:
         self._fail(EngineDeadError("the engine core process died"))
 
     def _fail(self, error: EngineDeadError) -> None:
-        """Marks the engine dead and fails every waiting caller with ``error`` (no one hangs)."""
+        """Marks the engine dead and fails every waiting caller with ``error`` (no one hangs); the
+        in-flight prompts are logged and counted as aborted, and the core's gauges are zeroed."""
         if self.dead is not None:
             return
         self.dead = error
+        self.last_stats = CoreStats()
+        if self.metrics is not None:
+            self.metrics.clear_gauges()
         for state in list(self._parents.values()):
             if not state.accepted.done():
                 state.accepted.set_exception(error)
             state.queue.put_nowait(error)
-            self._parents.pop(state.request_id, None)
+            self._drop(state)
+            self._finish_as_aborted(state)
         self._children.clear()
+
+    def end_all(self, reason: str) -> int:
+        """Ends every in-flight request with ``EngineDeadError(reason)`` (streams send an error event
+        and ``[DONE]``, others get 503) and refuses new ones; the core drops their work. Used when the
+        shutdown timeout expires. Returns the number of prompts ended."""
+        live = [cid for state in self._parents.values() for i, cid in enumerate(state.child_ids)
+                if i not in state.finish_reasons]
+        count = len(self._parents)
+        if self.dead is None and self.client.is_alive():
+            self.client.abort_requests(live)
+        self._fail(EngineDeadError(reason))
+        return count
 
     async def shutdown(self) -> None:
         """Stops the output loop and the core process (waits for it to exit, then kills it)."""
@@ -363,4 +401,5 @@ class AsyncLLM:
             except asyncio.CancelledError:
                 pass
         self._fail(EngineDeadError("the server is shutting down"))
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(self.client.close)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.config import EngineConfig
@@ -30,6 +30,23 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_steps: int
+    # Speculative decoding (cumulative; all 0 without it): verifications, draft tokens verified and
+    # accepted, accepted per draft position; the proposer's own counters (draft forwards, seconds, ...).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    spec_proposer: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / verified draft tokens (0.0 before any draft)."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens per verification step: 1 + accepted drafts per step (0.0 before any draft)."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
 
 class EngineCore:
@@ -54,13 +71,19 @@ class EngineCore:
                 config.cache.kv_cache_gib, block_size, hf.num_layers, hf.num_kv_heads, hf.head_dim,
                 self.runner.dtype_bytes,
             )
+            draft_bytes = self.runner.speculator.kv_cache_bytes_per_block() if self.runner.speculator else 0
+            if draft_bytes:
+                # NOTE: a draft model's cache uses the same block ids, so each block costs both caches.
+                target_bytes = self.runner.kv_cache_bytes_per_block(block_size)
+                num_blocks = max(2, num_blocks * target_bytes // (target_bytes + draft_bytes))
             # NOTE: more blocks than every sequence at full context (x2 for prefix-cache reuse) can
             # never be used; small models would otherwise zero-fill gigabytes for nothing.
             useful = 2 * config.scheduler.max_num_seqs * -(-self.max_model_len // block_size)
             num_blocks = min(num_blocks, max(useful, 2))
         self.num_blocks = num_blocks
         self.runner.initialize_kv_cache(num_blocks)
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len,
+                                   config.speculative)
         if self.scheduler.max_model_len < self.max_model_len:
             # NOTE: one request alone must fit in the pool, or it would preempt itself forever.
             logger.warning(
@@ -69,6 +92,8 @@ class EngineCore:
                 num_blocks * block_size, self.max_model_len, self.scheduler.max_model_len,
             )
             self.max_model_len = self.scheduler.max_model_len
+            if self.runner.speculator is not None:
+                self.runner.speculator.max_model_len = self.max_model_len  # no drafts past the pool
         self.num_steps = 0
         logger.info(
             "engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens), max_model_len %d",
@@ -109,5 +134,17 @@ class EngineCore:
             num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=s.num_preemptions_total, num_steps=self.num_steps,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict:
+        spec = self.scheduler.spec_stats
+        if spec is None or self.runner.speculator is None:
+            return {}
+        return {
+            "spec_num_drafts": spec.num_drafts, "spec_num_draft_tokens": spec.num_draft_tokens,
+            "spec_num_accepted_tokens": spec.num_accepted_tokens,
+            "spec_num_accepted_tokens_per_pos": list(spec.num_accepted_tokens_per_pos),
+            "spec_proposer": self.runner.speculator.stats(),
+        }
 

@@ -16,7 +16,6 @@ import logging
 import os
 import signal
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +86,10 @@ class CoreStats(msgspec.Struct):
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):
@@ -173,8 +176,15 @@ class EngineCoreProc:
                 self.send(self.add(message))
 
     def add(self, message: AddRequests) -> AddResult:
-        """Queues all children of one prompt, or none: 429 past ``max_queue_len``, 400 if it can't fit."""
+        """Queues all children of one prompt, or none: 429 past ``max_queue_len``, 400 if it can't fit
+        (more children than ``max_queue_len``, or a request the engine refuses)."""
         n = len(message.requests)
+        if self.max_queue_len and n > self.max_queue_len:
+            return AddResult(
+                message.parent_id, 400,
+                f"this request needs {n} engine requests but the waiting queue holds at most "
+                f"{self.max_queue_len} (--max-queue-len); it can never be accepted",
+            )
         if self.max_queue_len and self.core.stats().num_waiting + n > self.max_queue_len:
             return AddResult(
                 message.parent_id, 429,
@@ -242,6 +252,7 @@ def run_engine_core(
     outputs.setsockopt(zmq.LINGER, 1000)
     outputs.connect(output_addr)
     encoder = make_encoder()
+    ready = False
     try:
         from tandem.engine.core import EngineCore
 
@@ -249,13 +260,17 @@ def run_engine_core(
         core = EngineCore(model_dir, config)
         logger.info("engine core (pid %d) ready in %.1f s", os.getpid(), time.monotonic() - t0)
         outputs.send(encoder.encode(Ready(core.max_model_len, getattr(core, "num_blocks", 0))))
+        ready = True
         EngineCoreProc(core, inputs, outputs, parent_pid, config.scheduler.max_queue_len).run()
     except Exception as e:
-        logger.exception("engine core failed")
-        outputs.send(encoder.encode(CoreFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
-        outputs.close(linger=1000)
-        ctx.term()
+        # NOTE: a bad flag or model while loading (ValueError, FileNotFoundError) is the user's to fix:
+        # the front end prints the one-line message. Anything else is a bug: its traceback is logged
+        # here, once. Either way the process leaves at once (the front end does not wait for it).
+        if ready or not isinstance(e, ValueError | FileNotFoundError):
+            logger.exception("engine core failed")
+        outputs.send(encoder.encode(CoreFailed(f"{type(e).__name__}: {e}")))
         raise SystemExit(1) from e
-    outputs.close(linger=1000)
-    inputs.close(linger=0)
-    ctx.term()
+    finally:
+        outputs.close(linger=1000)
+        inputs.close(linger=0)  # NOTE: every socket must be closed, or ctx.term() waits forever
+        ctx.term()

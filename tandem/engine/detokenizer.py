@@ -7,37 +7,69 @@ of recent ids twice (with and without the newest ones) and emit the difference, 
 it ends in U+FFFD (an incomplete byte sequence, from byte-fallback or byte-level tokens). Decoding a
 window rather than single tokens keeps context-dependent rules right (SentencePiece's leading space,
 ``Strip`` decoders, byte-fallback runs).
+
+As in vLLM (``convert_prompt_ids_to_tokens``), the first window starts on the last few prompt tokens, so
+the completion's text is what it adds to the decoded prompt: ``decode(prompt + output)[len(decode(prompt)):]``.
+Without that context a SentencePiece tokenizer drops the first output token's space ("Lily went to the" ->
+"park" instead of " park"), because its decoder strips the space that starts a decoded text.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
 from tandem.sampling_params import SamplingParams
 
 _REPLACEMENT_CHAR = "\ufffd"
+_SPACE_MARKER = "\u2581"  # SentencePiece's "▁", which its decoders turn into a space
+# Prompt tokens that start the first decoding window (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET),
+# and how far back the window may move so that it does not start inside a multi-byte character (the
+# bound of vLLM's FastIncrementalDetokenizer prompt-suffix search).
+PROMPT_CONTEXT_TOKENS = 5
+_MAX_PROMPT_CONTEXT_TOKENS = 24
 
 
 class IncrementalDetokenizer:
     """Text of one completion, grown token by token, cut at the first stop string.
 
-    State: ``token_ids`` (the ids detokenized so far), ``output_text`` (complete characters only, cut at
-    a matched stop string) and two offsets into ``token_ids``: ``prefix_offset`` starts the decoding
-    window and ``read_offset`` marks the ids whose text is already in ``output_text``.
+    State: ``token_ids`` (a short tail of the prompt, then the ids detokenized so far), ``output_text``
+    (complete characters only, cut at a matched stop string) and two offsets into ``token_ids``:
+    ``prefix_offset`` starts the decoding window and ``read_offset`` marks the ids whose text is already
+    shown (in the prompt or in ``output_text``). ``new_token_texts`` holds the text each id of the last
+    ``update`` added (the in-context text of a token, which logprobs report).
 
-    Known limit: a genuinely invalid byte sequence (a model emitting random byte tokens) can decode
-    differently once later bytes join its run; valid UTF-8 always matches ``tokenizer.decode``.
+    A prompt that ends inside a multi-byte character (its text ends in U+FFFD) has that character shown
+    whole at the start of ``output_text`` once the output completes it (as vLLM's ``DecodeStream``-based
+    detokenizer does). Known limit: a genuinely invalid byte sequence (a model emitting random byte
+    tokens) can decode differently once later bytes join its run; valid UTF-8 always matches
+    ``tokenizer.decode``.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, params: SamplingParams) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, params: SamplingParams,
+                 prompt_token_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = list(params.stop)
         self.include_stop_str_in_output = params.include_stop_str_in_output
-        self.token_ids: list[int] = []
+        self.min_tokens = params.min_tokens
+        self.num_output_tokens = 0
         self.output_text = ""
+        self.new_token_texts: list[str] = []
+        self.token_ids = self._prompt_context(list(prompt_token_ids[-_MAX_PROMPT_CONTEXT_TOKENS:]))
         self.prefix_offset = 0
-        self.read_offset = 0
+        self.read_offset = len(self.token_ids)
+
+    def _prompt_context(self, prompt_ids: list[int]) -> list[int]:
+        """The prompt tail that starts the first window: the last ``PROMPT_CONTEXT_TOKENS`` ids, extended
+        back (up to ``_MAX_PROMPT_CONTEXT_TOKENS``) while its text starts with U+FFFD, i.e. inside a
+        character, whose bytes would otherwise decode differently once joined by the output's."""
+        start = max(0, len(prompt_ids) - PROMPT_CONTEXT_TOKENS)
+        floor = max(0, len(prompt_ids) - _MAX_PROMPT_CONTEXT_TOKENS)
+        while start > floor and self._decode(prompt_ids[start:]).startswith(_REPLACEMENT_CHAR):
+            start -= 1
+        return prompt_ids[start:]
 
     def update(self, new_token_ids: list[int], stop_terminated: bool, finished: bool) -> str | None:
         """Detokenize ``new_token_ids`` and look for a stop string in the new text.
@@ -49,16 +81,24 @@ class IncrementalDetokenizer:
             finished: the request ended; text held back for an incomplete character is released.
         Returns:
             The stop string that matched (``output_text`` is then cut at it), or None.
-        Changes: appends to ``token_ids`` and ``output_text``; moves the offsets.
+        Changes: appends to ``token_ids`` and ``output_text``; moves the offsets; sets
+        ``new_token_texts`` to the text each detokenized id added (one entry per id of
+        ``new_token_ids``, except a left-out stop id; text released at the finish goes to the last one).
         """
+        self.num_output_tokens += len(new_token_ids)
         if stop_terminated and not self.include_stop_str_in_output and new_token_ids:
             new_token_ids = new_token_ids[:-1]
         old_length = len(self.output_text)
+        self.new_token_texts = []
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
-            self.output_text += self._decode_next(final=False)
+            self.new_token_texts.append(self._decode_next(final=False))
+        self.output_text += "".join(self.new_token_texts)
         if finished:
-            self.output_text += self._decode_next(final=True)
+            released = self._decode_next(final=True)
+            self.output_text += released
+            if self.new_token_texts:
+                self.new_token_texts[-1] += released
         return self._check_stop(old_length)
 
     def releasable_length(self, finished: bool) -> int:
@@ -83,16 +123,25 @@ class IncrementalDetokenizer:
         """New complete text after the latest ids (``final``: also text ending in U+FFFD)."""
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(self.token_ids[self.prefix_offset :])
-        if len(new_text) <= len(prefix_text) or (new_text.endswith(_REPLACEMENT_CHAR) and not final):
+        shown = len(prefix_text)
+        if not new_text.startswith(prefix_text):
+            # NOTE: only when the prompt ends inside a character that the new bytes complete: its
+            # U+FFFDs were never output, so the whole character is new text.
+            complete = prefix_text.rstrip(_REPLACEMENT_CHAR)
+            shown = len(complete) if new_text.startswith(complete) else shown
+        if len(new_text) <= shown or (new_text.endswith(_REPLACEMENT_CHAR) and not final):
             # Nothing new yet, or the newest bytes do not complete a character: wait for more ids.
             return ""
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.token_ids)
-        return new_text[len(prefix_text) :]
+        return new_text[shown:]
 
     def _check_stop(self, old_length: int) -> str | None:
         """Find the earliest stop string that ends in the text added after ``old_length``; cut there."""
-        if not self.stop or len(self.output_text) == old_length:
+        # NOTE: as in vLLM, stop strings are only looked for once more than min_tokens tokens exist,
+        # and only in text that is new (or overlaps it), so a stop string inside the first
+        # min_tokens tokens never ends the request.
+        if not self.stop or len(self.output_text) == old_length or self.num_output_tokens <= self.min_tokens:
             return None
         found = find_stop_string(self.output_text, old_length, self.stop)
         if found is None:
@@ -133,3 +182,20 @@ def partial_stop_length(text: str, stops: list[str]) -> int:
                 longest = length
                 break
     return longest
+
+
+def standalone_token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
+    """The text of one token out of context, for logprob alternatives (vLLM shows decoded tokens).
+
+    ``convert_tokens_to_string`` of the token alone, except that a SentencePiece token keeps the spaces
+    its leading "▁" marks: its decoder strips the space that starts a text, so ``decode([id("▁there")])``
+    is "there" although the token adds " there" after a word. Byte-level tokens ("Ġthere") decode to
+    " there" unchanged. An id outside the vocabulary gives "".
+    """
+    token = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(token, str):
+        return ""
+    text = tokenizer.convert_tokens_to_string([token])
+    marked = len(token) - len(token.lstrip(_SPACE_MARKER))
+    spaces = len(text) - len(text.lstrip(" "))
+    return " " * (marked - spaces) + text if marked > spaces else text

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from tandem.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tandem.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from tandem.engine.core import EngineCore
 from tandem.engine.loading import load_frontend
 from tandem.engine.output_processor import OutputProcessor
-from tandem.engine.processor import PromptType
+from tandem.engine.processor import PromptError, PromptType
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 
@@ -25,8 +25,11 @@ class LLM:
     Args:
         model: a local HF folder, a ``.gguf`` file, or None for the default SmolLM2-135M-Instruct.
         dtype: "bfloat16" (default) or "float32".
+        quantization: "int8" or "int4" weight-only linear layers, or None (``tandem/models/quant.py``).
         max_model_len: context limit in tokens (default: the model's).
         kv_cache_gib: KV cache budget in GiB; ``num_blocks`` overrides it.
+        speculative_config: a ``SpeculativeConfig`` or a dict of its fields (e.g.
+            ``{"method": "draft", "speculative_model": path, "num_speculative_tokens": 4}``); None = off.
         Other keyword arguments map one to one onto ``CacheConfig`` and ``SchedulerConfig``.
 
     Raises:
@@ -48,17 +51,22 @@ class LLM:
         long_prefill_token_threshold: int = 0,
         num_threads: int | None = None,
         chat_template: str | None = None,
+        speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
+        quantization: str | None = None,
         progress: bool = True,
     ) -> None:
+        if isinstance(speculative_config, dict):
+            speculative_config = SpeculativeConfig(**speculative_config)
         self.config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
-                              chat_template=chat_template),
+                              chat_template=chat_template, quantization=quantization),
             cache=CacheConfig(block_size=block_size, kv_cache_gib=kv_cache_gib, num_blocks=num_blocks,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs,
                                       long_prefill_token_threshold=long_prefill_token_threshold),
             num_threads=num_threads,
+            speculative=speculative_config,
         )
         frontend = load_frontend(self.config, progress=progress)
         self.model_dir = frontend.model_dir
@@ -90,6 +98,8 @@ class LLM:
         Raises:
             PromptError / SamplingParamsError (both ValueError): bad prompt or parameters.
         """
+        if prompts is None or isinstance(prompts, bytes | bytearray):
+            raise PromptError(f"prompts must be a string, token ids, or a list of those; got {type(prompts).__name__}")
         if isinstance(prompts, str | dict) or (
             isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
         ):
@@ -107,51 +117,92 @@ class LLM:
     def chat(
         self,
         messages: Conversation | Sequence[Conversation],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Applies the chat template to one conversation (or a list of them) and generates.
 
+        ``sampling_params``: one for all conversations or one per conversation (None: model defaults).
+
         Raises:
-            PromptError: no chat template or it fails on the messages.
+            PromptError: empty messages, no chat template, or the template fails on the messages.
         """
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        inputs = self._chat_inputs(messages, chat_template, add_generation_prompt)
+        params = sampling_params or self.get_default_sampling_params()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(inputs)
+        if len(params_list) != len(inputs):
+            raise ValueError(f"got {len(inputs)} conversations but {len(params_list)} sampling params")
+        return self._run(inputs, params_list, use_tqdm)
+
+    def chat_stream(
+        self, messages: Conversation, sampling_params: SamplingParams | None = None,
+        chat_template: str | None = None,
+    ) -> Iterator[str]:
+        """Yields the reply to one conversation as text deltas while it is generated (``n`` must be 1).
+
+        Closing the iterator early (or Ctrl-C) aborts the request and frees its KV blocks.
+        """
+        inputs = self._chat_inputs(messages, chat_template, True)
+        params = sampling_params or self.get_default_sampling_params()
+        if params.n != 1:
+            raise ValueError("chat_stream generates one reply; use n=1")
+        for out in self._iter_outputs(inputs, [params], "delta"):
+            if out.outputs[0].text:
+                yield out.outputs[0].text
+
+    def _chat_inputs(
+        self, messages: Conversation | Sequence[Conversation], chat_template: str | None, add_generation_prompt: bool
+    ) -> list[tuple[str | None, list[int]]]:
+        if isinstance(messages, dict):
+            raise PromptError("messages must be a list of {'role', 'content'} dicts, not one dict", "messages")
+        if not messages:
+            raise PromptError("messages must not be empty", "messages")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         inputs = []
         for conv in conversations:
             text = self.processor.apply_chat_template(conv, add_generation_prompt, chat_template)
             inputs.append((text, self.processor.chat_prompt_ids(text)))
-        params = sampling_params or self.get_default_sampling_params()
-        return self._run(inputs, [params] * len(inputs), use_tqdm)
+        return inputs
 
     def _run(
         self, inputs: list[tuple[str | None, list[int]]], params_list: list[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
         """Queues validated inputs, steps the engine until all finish, returns outputs in order."""
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(inputs), desc="generate", disable=not use_tqdm) as bar:
+            for out in self._iter_outputs(inputs, params_list, "cumulative"):
+                if out.finished:
+                    finished[out.request_id] = out
+                    bar.update(1)
+        return [finished[parent_id] for parent_id in sorted(finished, key=int)]
+
+    def _iter_outputs(
+        self, inputs: list[tuple[str | None, list[int]]], params_list: list[SamplingParams], output_kind: str
+    ) -> Iterator[RequestOutput]:
+        """Queues the inputs (all validated first), steps the engine, yields RequestOutputs as they change.
+
+        Changes: the engine's queues; on any exception or early close, every queued request is aborted.
+        """
         batches = []
         for (text, ids), params in zip(inputs, params_list, strict=True):
             parent_id = str(next(self._ids))
             batches.append((parent_id, text, ids, params, self.processor.make_requests(parent_id, ids, params)))
         output_processor = OutputProcessor(self.tokenizer)
-        for parent_id, text, ids, params, requests in batches:
-            for index, request in enumerate(requests):
-                output_processor.add_request(request.request_id, parent_id, index, params.n, text, ids, params)
-                self.engine.add_request(request)
-        finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(batches), desc="generate", disable=not use_tqdm)
         try:
+            for parent_id, text, ids, params, requests in batches:
+                for index, request in enumerate(requests):
+                    output_processor.add_request(
+                        request.request_id, parent_id, index, params.n, text, ids, params, output_kind=output_kind
+                    )
+                    self.engine.add_request(request)
             while self.engine.has_unfinished_requests():
                 processed = output_processor.process_outputs(self.engine.step())
                 if processed.reqs_to_abort:
                     self.engine.abort_requests(processed.reqs_to_abort)
-                for out in processed.request_outputs:
-                    if out.finished:
-                        finished[out.request_id] = out
-                        bar.update(1)
-        except BaseException:
-            self.engine.abort_requests(r.request_id for *_, reqs in batches for r in reqs)
-            raise
+                yield from processed.request_outputs
         finally:
-            bar.close()
-        return [finished[parent_id] for parent_id, *_ in batches]
+            # NOTE: a no-op after a normal finish; after an error, Ctrl-C or an early close it frees
+            # the KV blocks of everything this call queued.
+            self.engine.abort_requests(r.request_id for *_, reqs in batches for r in reqs)

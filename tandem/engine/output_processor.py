@@ -1,7 +1,8 @@
 """Turns the engine core's token outputs into user-facing ``RequestOutput``s (vLLM v1 ``OutputProcessor``).
 
 Per engine request (a *child*: one of the ``n`` completions of a prompt) it keeps an incremental
-detokenizer, the token ids, logprobs (with ``decoded_token`` filled) and the finish state; children of
+detokenizer, the token ids, logprobs (with ``decoded_token`` filled: the sampled token's text in context,
+the alternatives' text alone, see ``_add_logprobs``) and the finish state; children of
 one prompt (the *parent*) are reported together in one ``RequestOutput`` whose ``outputs`` are sorted
 by index. Stop strings are detected here, on text: a match finishes the child and its id is returned
 in ``reqs_to_abort`` so the caller aborts it in the engine core.
@@ -20,7 +21,7 @@ from typing import Literal
 
 from transformers import PreTrainedTokenizerBase
 
-from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.detokenizer import IncrementalDetokenizer, standalone_token_text
 from tandem.outputs import CompletionOutput, EngineCoreOutput, PositionLogprobs, RequestOutput
 from tandem.sampling_params import SamplingParams
 
@@ -48,7 +49,7 @@ class _ChildState:
         self.params = params
         self.tokenizer = tokenizer
         self.token_text = token_text  # shared cache: token id -> decoded text of that token alone
-        self.detokenizer = IncrementalDetokenizer(tokenizer, params)
+        self.detokenizer = IncrementalDetokenizer(tokenizer, params, parent.prompt_token_ids)
         self.token_ids: list[int] = []
         self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
@@ -57,6 +58,8 @@ class _ChildState:
         self.changed = False
         self.sent_text = 0  # characters of text already sent (delta mode)
         self.sent_tokens = 0  # token ids (and logprob positions) already sent (delta mode)
+        self.num_draft_tokens = 0  # speculative decoding: drafts verified / accepted so far
+        self.num_accepted_tokens = 0
 
     @property
     def finished(self) -> bool:
@@ -64,13 +67,14 @@ class _ChildState:
 
     def update(self, output: EngineCoreOutput) -> str | None:
         """Add one core output; returns the stop string if one matched. Changes all fields above."""
+        self.num_draft_tokens, self.num_accepted_tokens = output.num_draft_tokens, output.num_accepted_tokens
         self.token_ids.extend(output.new_token_ids)
-        if self.logprobs is not None and output.new_logprobs:
-            self._add_logprobs(output.new_token_ids, output.new_logprobs)
         stop_terminated = output.finish_reason == "stop" and not isinstance(output.stop_reason, str)
         stop_string = self.detokenizer.update(
             output.new_token_ids, stop_terminated, finished=output.finish_reason is not None
         )
+        if self.logprobs is not None and output.new_logprobs:
+            self._add_logprobs(output.new_token_ids, output.new_logprobs)
         if stop_string is not None:
             self.finish_reason, self.stop_reason = "stop", stop_string
         elif output.finish_reason is not None:
@@ -79,18 +83,28 @@ class _ChildState:
         return stop_string
 
     def _add_logprobs(self, token_ids: list[int], positions: list[PositionLogprobs]) -> None:
+        """Record the positions of ``token_ids`` (just detokenized) and fill their ``decoded_token``.
+
+        The sampled token gets the text it added to the completion in context (as vLLM v0), so the
+        tokens' texts join into the text (before a stop-string cut) and keep SentencePiece spaces; a
+        token that only starts a multi-byte character gets "" and the one completing it the character.
+        A left-out EOS/stop token and the alternatives get their text alone (``standalone_token_text``).
+        """
         # NOTE: fills decoded_token on the core's Logprob objects in place; they are not reused.
         assert self.logprobs is not None and self.cumulative_logprob is not None
-        for token_id, position in zip(token_ids, positions, strict=True):
+        in_context = self.detokenizer.new_token_texts
+        for i, (token_id, position) in enumerate(zip(token_ids, positions, strict=True)):
             for candidate, logprob in position.items():
                 logprob.decoded_token = self._token_text(candidate)
+            if i < len(in_context):
+                position[token_id].decoded_token = in_context[i]
             self.cumulative_logprob += position[token_id].logprob
             self.logprobs.append(position)
 
     def _token_text(self, token_id: int) -> str:
         text = self.token_text.get(token_id)
         if text is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            text = standalone_token_text(self.tokenizer, token_id)
             self.token_text[token_id] = text
         return text
 
@@ -110,6 +124,8 @@ class _ChildState:
             logprobs=None if self.logprobs is None else self.logprobs[start_tokens:],
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
         )
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
 from tandem.request import Request
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, SamplingParamsError, child_seed
 
 
 class PromptError(ValueError):
@@ -21,6 +23,80 @@ class PromptError(ValueError):
 
 
 PromptType = str | list[int] | dict[str, Any]
+
+# Normalizers and pre-tokenizers that never delete characters; the value bounds how much a
+# normalizer can shrink the text (NFC/NFKC compose at most 4 code points into one, e.g. U+1F82).
+_SAFE_NORMALIZERS = {"Prepend": 1, "Lowercase": 1, "NFD": 1, "NFKD": 1, "NFC": 4, "NFKC": 4}
+_SAFE_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts", "Split"}
+
+
+def _shrink_factor(normalizer: dict[str, Any] | None) -> int | None:
+    """How many times shorter normalized text can be than its input; None if unbounded."""
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in normalizer.get("normalizers", []):
+            sub = _shrink_factor(part)
+            if sub is None:
+                return None
+            factor *= sub
+        return factor
+    if kind == "Replace":
+        pattern, content = normalizer.get("pattern", {}).get("String"), normalizer.get("content", "")
+        return None if pattern is None or not content else max(1, -(-len(pattern) // len(content)))
+    return _SAFE_NORMALIZERS.get(kind)
+
+
+def _keeps_all_characters(pre_tokenizer: dict[str, Any] | None) -> bool:
+    if pre_tokenizer is None:
+        return True
+    if pre_tokenizer.get("type") == "Sequence":
+        return all(_keeps_all_characters(p) for p in pre_tokenizer.get("pretokenizers", []))
+    if pre_tokenizer.get("type") == "Split" and pre_tokenizer.get("behavior") == "Removed":
+        return False
+    return pre_tokenizer.get("type") in _SAFE_PRE_TOKENIZERS
+
+
+def _component(part: Any) -> dict[str, Any] | None:
+    """A tokenizers normalizer / pre-tokenizer as its JSON description (None stays None)."""
+    return None if part is None else json.loads(part.__getstate__())
+
+
+def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int | None:
+    """A length in characters beyond which a prompt cannot fit ``max_model_len`` tokens, or None
+    when the tokenizer gives no such bound.
+
+    Bound: the tokenizer splits the normalized text into pieces, each matching one vocabulary
+    entry, and no piece covers more characters than its entry is long (a byte-level entry spells
+    one byte per character and a character is at least one byte; a ``<0xE2>`` byte piece covers one
+    byte). So ``tokens >= normalized_chars / L`` with ``L`` the longest entry, and
+    ``normalized_chars >= chars / shrink`` with ``shrink`` the normalizer's worst contraction. A
+    prompt of more than ``max_model_len * L * shrink`` characters therefore needs more than
+    ``max_model_len`` tokens. The bound only holds if no step drops text, so it is None for
+    normalizers or pre-tokenizers that delete or collapse characters (BERT's whitespace split, a
+    regex replace), added tokens that swallow neighbouring spaces (lstrip/rstrip), and models that
+    fuse a run of unknown characters into one token (BPE without byte fallback, outside byte-level).
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    shrink = _shrink_factor(_component(backend.normalizer))
+    pre_tokenizer = _component(backend.pre_tokenizer)
+    if shrink is None or not _keeps_all_characters(pre_tokenizer):
+        return None
+    model = backend.model
+    if '"ByteLevel"' not in json.dumps(pre_tokenizer) and not getattr(model, "byte_fallback", False):
+        # NOTE: without bytes to fall back on, an unknown character becomes <unk>: one per character
+        # only in a BPE model with fuse_unk off (others fuse runs, or drop them when there is no unk).
+        if type(model).__name__ != "BPE" or model.unk_token is None or model.fuse_unk:
+            return None
+    added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+    if any(getattr(t, "lstrip", False) or getattr(t, "rstrip", False) for t in added):
+        return None
+    longest = max(len(entry) for entry in tokenizer.get_vocab())
+    return max_model_len * longest * shrink
 
 
 class InputProcessor:
@@ -47,6 +123,19 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.chat_template = chat_template
+        self.max_prompt_chars = max_prompt_chars(tokenizer, max_model_len)
+
+    def check_prompt_chars(self, text: str, param: str = "prompt") -> None:
+        """Refuses, before tokenizing, a text too long to fit the context whatever its tokens.
+
+        Raises:
+            PromptError: ``text`` is longer than ``max_prompt_chars`` characters.
+        """
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise PromptError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{len(text)} characters, more than the {self.max_prompt_chars} that many tokens can hold "
+                "with this tokenizer", param)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, token ids); adds the tokenizer's BOS like transformers does.
@@ -54,7 +143,8 @@ class InputProcessor:
         Accepts a string, a list of token ids, or ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}``.
 
         Raises:
-            PromptError: empty prompt, ids out of the vocabulary, or an unsupported prompt type.
+            PromptError: empty prompt, ids out of the vocabulary, a text too long to ever fit the
+                context (``check_prompt_chars``), or an unsupported prompt type.
         """
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -66,9 +156,12 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise PromptError("the prompt is empty")
+            self.check_prompt_chars(prompt)
             return prompt, list(self.tokenizer(prompt)["input_ids"])
-        if isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
+        if isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray) and all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt
+        ):
+            ids = [int(t) for t in prompt]
             if not ids:
                 raise PromptError("the prompt is empty")
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -100,7 +193,12 @@ class InputProcessor:
             raise PromptError(f"the chat template failed on these messages: {e}", "messages") from e
 
     def chat_prompt_ids(self, text: str) -> list[int]:
-        """Token ids of a rendered chat prompt; the template already carries BOS, so add none."""
+        """Token ids of a rendered chat prompt; the template already carries BOS, so add none.
+
+        Raises:
+            PromptError: an empty prompt, or one too long to fit (``check_prompt_chars``).
+        """
+        self.check_prompt_chars(text, "messages")
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         if not ids:
             raise PromptError("the chat prompt is empty", "messages")
@@ -117,6 +215,11 @@ class InputProcessor:
         Raises:
             PromptError: the prompt leaves no room to generate within ``max_model_len``.
         """
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise SamplingParamsError(
+                f"stop token id {bad_stop[0]} is out of the vocabulary [0, {self.vocab_size})", "stop_token_ids"
+            )
         n_prompt = len(prompt_token_ids)
         if n_prompt >= self.max_model_len:
             raise PromptError(
@@ -127,7 +230,7 @@ class InputProcessor:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         requests = []
         for i in range(params.n):
-            child = params if params.n == 1 or params.seed is None else params.clone(seed=params.seed + i)
+            child = params if params.n == 1 or params.seed is None else params.clone(seed=child_seed(params.seed, i))
             req_id = request_id if params.n == 1 else f"{i}_{request_id}"
             requests.append(Request(
                 request_id=req_id, prompt_token_ids=list(prompt_token_ids), sampling_params=child,

@@ -65,6 +65,10 @@ class UnsupportedGGUFError(ValueError):
     """The GGUF file uses an architecture, tensor, rope scaling or block type Tandem does not convert."""
 
 
+class CorruptGGUFError(ValueError):
+    """A file that is not a complete, readable GGUF file (truncated, corrupt or another format)."""
+
+
 @dataclass(frozen=True)
 class _Entry:
     """One output tensor: where it comes from in the GGUF and how it is stored in safetensors."""
@@ -372,9 +376,17 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool =
     Raises:
         UnsupportedGGUFError: unsupported architecture, tensor name, rope scaling or block type, or missing
             metadata (tokenizer or a required model key).
+        CorruptGGUFError: the file is truncated or not a GGUF file.
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    reader = GGUFReader(gguf_path)
+    try:
+        reader = GGUFReader(gguf_path)
+    except (ValueError, OSError, IndexError, KeyError) as e:
+        # NOTE: gguf-py reports a truncated or foreign file as a bare reshape/magic error; name the file.
+        raise CorruptGGUFError(
+            f"{gguf_path} is not a readable GGUF file (expected a complete llama.cpp GGUF v2/v3 file: "
+            f"truncated download or wrong format?): {e}"
+        ) from e
     meta = read_metadata(reader)
     check_architecture(meta)
     if "tokenizer.ggml.model" not in meta:

@@ -12,7 +12,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem import kernels
 from tandem.models.hf_config import RopeConfig
+
+# NOTE: the fused C++ kernels (tandem.kernels) replace several PyTorch ops per layer, which is most
+# of a decode step's Python overhead; each layer keeps its PyTorch code as the fallback and oracle.
+_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _use_kernels(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
+    return x.dtype in _KERNEL_DTYPES and (weight is None or weight.dtype == x.dtype) and kernels.available()
 
 
 class RMSNorm(nn.Module):
@@ -27,6 +36,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _use_kernels(x, self.weight):
+            return kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         input_dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -60,6 +71,11 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: at decode sizes stock bf16 GEMMs read weights at half the memory bandwidth; the
+        # streaming AVX-512 BF16 kernel reads them at the roofline (benchmarks/README.md).
+        if (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= kernels.LINEAR_MAX_TOKENS
+                and self.weight.dtype == torch.bfloat16 and kernels.available()):
+            return kernels.linear_bf16(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -78,6 +94,8 @@ class SiluAndMul(nn.Module):
     """SwiGLU gate (Shazeer 2020): ``x [..., 2d] -> silu(x[..., :d]) * x[..., d:]`` (gate first)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and _use_kernels(x):
+            return kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -138,6 +156,10 @@ def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q [T, H, D]`` and ``k [T, KV, D]`` by ``cos, sin [T, 1, D]`` (rotate-half layout)."""
+    if _use_kernels(q, cos) and cos.shape == sin.shape == (q.shape[0], 1, q.shape[2]) and all(
+        x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (q, k)
+    ):
+        return kernels.rotary(q, cos, sin), kernels.rotary(k, cos, sin)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.attention import AttentionBackend, AttentionMetadata, TorchRefAttention
+from tandem.attention import AttentionBackend, AttentionMetadata, select_backend
 from tandem.models.hf_config import HFModelConfig
 from tandem.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
 
@@ -133,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
         cfg: the checkpoint config.
         dtype: parameter and activation dtype (bfloat16 or float32).
         max_positions: size of the RoPE tables (tokens); positions must stay below it.
-        backend: paged attention implementation (default: the torch reference).
+        backend: paged attention implementation (default: ``select_backend``'s choice).
     """
 
     attention_cls: type[LlamaAttention] = LlamaAttention
@@ -147,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = cfg
-        backend = backend if backend is not None else TorchRefAttention()
+        backend = backend if backend is not None else select_backend(cfg.head_dim, dtype)
         self.model = LlamaModel(cfg, dtype, max_positions, self.attention_cls, backend)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
         if cfg.tie_word_embeddings:

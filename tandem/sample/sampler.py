@@ -97,17 +97,27 @@ class Sampler:
         lp_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         raw_logprobs = ops.compute_logprobs(logits[lp_rows]) if lp_rows else None
 
-        logits = logits.to(torch.float32, copy=True)
-        _apply_min_tokens(logits, states)
-        _apply_penalties(logits, states)
+        logits = process_logits(logits, states)
         sampled = _sample(logits, states)
 
         logprobs: list[PositionLogprobs | None] = [None] * len(states)
         if raw_logprobs is not None:
-            rows_logprobs = _position_logprobs(raw_logprobs, sampled[lp_rows], [states[i] for i in lp_rows])
+            rows_logprobs = position_logprobs(raw_logprobs, sampled[lp_rows], [states[i] for i in lp_rows])
             for row, position in zip(lp_rows, rows_logprobs, strict=True):
                 logprobs[row] = position
         return SamplerOutput(token_ids=sampled.tolist(), logprobs=logprobs)
+
+
+def process_logits(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """A float32 copy of ``logits [R, V]`` after min_tokens and the penalties of each row's state.
+
+    This is what greedy argmax and the random filters see (step 2 of the module docstring); the
+    speculative verifier calls it too, with one state per verified position.
+    """
+    logits = logits.to(torch.float32, copy=True)
+    _apply_min_tokens(logits, states)
+    _apply_penalties(logits, states)
+    return logits
 
 
 def _apply_min_tokens(logits: torch.Tensor, states: list[SamplingState]) -> None:
@@ -151,13 +161,16 @@ def _sample(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     if random_rows:
         index = torch.tensor(random_rows)
         chosen = [states[i] for i in random_rows]
-        probs = _filtered_probs(logits.index_select(0, index), [s.params for s in chosen])
+        probs = filtered_probs(logits.index_select(0, index), [s.params for s in chosen])
         sampled[index] = ops.random_sample(probs, [s.generator for s in chosen])
     return sampled
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p (HF warper order) on ``[R, V]`` logits; returns ``[R, V]`` probs."""
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p (HF warper order) on ``[R, V]`` logits; returns ``[R, V]`` probs.
+
+    Changes ``logits`` in place (pass a copy to keep them).
+    """
     vocab_size = logits.shape[1]
     ops.apply_temperature(logits, torch.tensor([p.temperature for p in params], dtype=torch.float32))
     k = p_top = None
@@ -171,7 +184,7 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return logits.softmax(dim=-1)
 
 
-def _position_logprobs(
+def position_logprobs(
     logprobs: torch.Tensor, sampled: torch.Tensor, states: list[SamplingState]
 ) -> list[PositionLogprobs]:
     """Per row: the sampled token first, then the row's top-N (``params.logprobs``), ranks from 1."""

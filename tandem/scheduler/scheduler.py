@@ -6,6 +6,11 @@ Each step hands out at most ``max_num_batched_tokens`` tokens so requests catch 
 newest running request is preempted (its blocks freed, recomputed later). Then waiting requests are
 admitted first come, first served, reusing prefix-cache hits. Chunked prefill, prefix hits and
 preemption all fall out of the two counters. The scheduler never touches tensors.
+
+Speculative decoding (vLLM v1's design): a decode with s draft tokens asks for 1 + s tokens under the
+same budget; after the step ``num_computed_tokens`` advances only over the accepted part (the rejected
+drafts' slots stay in the block table and are overwritten later), accepted tokens go through the stop
+checks one by one, and the runner's new drafts are stored on the request for the next step.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from tandem.config import CacheConfig, SchedulerConfig
+from tandem.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tandem.kv_cache.manager import KVCacheManager, cdiv
 from tandem.outputs import (
     EngineCoreOutput,
@@ -25,6 +30,7 @@ from tandem.outputs import (
     SchedulerOutput,
 )
 from tandem.request import Request, RequestStatus
+from tandem.spec_decode.metrics import SpecDecodeStats
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,9 @@ class Scheduler:
         cache_config: block size and prefix caching switch (``num_blocks`` is passed resolved).
         num_blocks: KV blocks in the pool (the model runner allocates the same number).
         max_model_len: context limit in tokens (prompt + output).
+        speculative_config: speculative decoding settings, or None. With a draft model, rows that sample
+            for a speculating request also reserve ``num_speculative_tokens`` lookahead slots, where the
+            draft writes the K/V of its proposals.
 
     ``self.max_model_len`` is ``min(max_model_len, num_blocks * block_size)``: a request alone must
     fit in the pool, otherwise it would preempt itself forever. So a pool smaller than the context
@@ -59,6 +68,7 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
@@ -72,6 +82,9 @@ class Scheduler:
         self.running: list[Request] = []  # RUNNING, in admission order (last = newest)
         self._finished_ids: set[str] = set()  # finished or aborted since the last schedule()
         self.num_preemptions_total = 0
+        spec = speculative_config
+        self.num_lookahead_tokens = spec.num_speculative_tokens if spec and spec.uses_draft_model else 0
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec else None
 
     # ---- queues -------------------------------------------------------------------------------
 
@@ -171,11 +184,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = self._chunk_size(request, request.num_computed_tokens, budget)
+            n, num_spec = self._plan_tokens(request, request.num_computed_tokens, budget)
             if n <= 0:
                 i += 1
                 continue
-            block_ids = self.kv_cache_manager.allocate_slots(request, n)
+            num_slots = n + self._num_lookahead(request, request.num_computed_tokens, n)
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_slots)
             while block_ids is None:
                 # NOTE: the newest request is always behind i, so it was not scheduled this step.
                 victim = self.running.pop()
@@ -183,10 +197,10 @@ class Scheduler:
                 num_preempted += 1
                 if victim is request:
                     break
-                block_ids = self.kv_cache_manager.allocate_slots(request, n)
+                block_ids = self.kv_cache_manager.allocate_slots(request, num_slots)
             if block_ids is None:
                 break
-            out.scheduled.append(self._row(request, n, block_ids))
+            out.scheduled.append(self._row(request, n, block_ids, num_spec))
             budget -= n
             i += 1
         return budget, num_preempted
@@ -195,6 +209,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0  # recompute prompt + output tokens (prefix hits may help)
+        request.spec_token_ids = []  # NOTE: drafts are proposed again once the request has caught up
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
@@ -205,7 +220,8 @@ class Scheduler:
             request = self.waiting[0]
             hit_ids, num_hit = kv.get_computed_blocks(request)
             n = self._chunk_size(request, num_hit, budget)
-            block_ids = kv.allocate_slots(request, n, hit_ids, num_hit)
+            num_slots = n + self._num_lookahead(request, num_hit, n)
+            block_ids = kv.allocate_slots(request, num_slots, hit_ids, num_hit)
             if block_ids is None:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -223,14 +239,41 @@ class Scheduler:
             out.scheduled.append(self._row(request, n, block_ids))
             budget -= n
 
-    def _row(self, request: Request, n: int, block_ids: list[int]) -> ScheduledRequest:
+    def _plan_tokens(self, request: Request, start: int, budget: int) -> tuple[int, int]:
+        """(tokens to compute from ``start``, of which draft tokens) for a running request.
+
+        Drafts ride along only when the chunk reaches the last known token, and only as many as fit
+        the budget, the chunk cap, ``max_tokens`` and the context: accepting s drafts yields s + 1
+        tokens, so at most ``max_tokens - num_output_tokens - 1`` drafts can be of use.
+        """
+        n = self._chunk_size(request, start, budget)
+        if n <= 0 or not request.spec_token_ids or start + n < request.num_tokens:
+            return n, 0
+        room = [len(request.spec_token_ids), budget - n,
+                request.max_tokens - request.num_output_tokens - 1,
+                self.max_model_len - request.num_tokens - 1]
+        if self.config.long_prefill_token_threshold > 0:
+            room.append(self.config.long_prefill_token_threshold - n)
+        num_spec = max(0, min(room))
+        return n + num_spec, num_spec
+
+    def _num_lookahead(self, request: Request, start: int, n: int) -> int:
+        """Extra slots a draft model needs after a row that samples (its proposals' K/V), within the context."""
+        if not self.num_lookahead_tokens or not request.sampling_params.speculative or start + n < request.num_tokens:
+            return 0
+        return max(0, min(self.num_lookahead_tokens, self.max_model_len - start - n))
+
+    def _row(self, request: Request, n: int, block_ids: list[int], num_spec: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
+        num_real = n - num_spec
+        token_ids = request.token_ids_slice(start, start + num_real) + request.spec_token_ids[:num_spec]
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.token_ids_slice(start, start + n),
+            token_ids=token_ids,
             num_computed_tokens=start,
             block_ids=block_ids,
-            sample=start + n == request.num_tokens,
+            sample=start + num_real == request.num_tokens,
+            num_spec_tokens=num_spec,
         )
 
     # ---- update -------------------------------------------------------------------------------
@@ -240,6 +283,9 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Applies one step's results: advances counters, appends sampled tokens, applies stop rules.
 
+        A row that verified s drafts gets 1 to s + 1 tokens (accepted drafts, then the target's own);
+        ``num_computed_tokens`` advances over the scheduled tokens minus the rejected drafts, whose KV
+        slots are simply overwritten later.
         Per new token, in order: ``stop_token_ids`` / EOS (EOS ignored with ``ignore_eos``; neither
         within the first ``min_tokens`` output tokens) -> "stop" (``stop_reason`` = the stop token id,
         None for EOS); ``max_tokens`` output tokens -> "length"; ``max_model_len`` tokens -> "length".
@@ -247,9 +293,10 @@ class Scheduler:
 
         Returns:
             One ``EngineCoreOutput`` per request that got new tokens or finished.
-        Changes: ``num_computed_tokens``, ``output_token_ids``, status and ``stop_reason`` of the
-        scheduled requests; frees finished requests' blocks at once and queues their ids for the
-        next ``finished_request_ids``.
+        Changes: ``num_computed_tokens``, ``output_token_ids``, ``spec_token_ids`` (replaced by the
+        runner's new drafts), draft counters, status and ``stop_reason`` of the scheduled requests and
+        ``spec_stats``; frees finished requests' blocks at once and queues their ids for the next
+        ``finished_request_ids``.
         """
         outputs: list[EngineCoreOutput] = []
         any_finished = False
@@ -257,9 +304,11 @@ class Scheduler:
             request = self.requests.get(row.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted since schedule()
-            request.num_computed_tokens += row.num_scheduled_tokens
             sampled = runner_output.sampled_token_ids.get(row.request_id, [])
             assert row.sample or not sampled, f"runner sampled for {row.request_id} without sample=True"
+            num_rejected = self._verify_counts(request, row, sampled)
+            request.num_computed_tokens += row.num_scheduled_tokens - num_rejected
+            request.spec_token_ids = list(runner_output.spec_token_ids.get(row.request_id, ()))
             new_token_ids = self._append_tokens(request, sampled)
             if request.status.finished:
                 self._free_finished(request)
@@ -269,6 +318,20 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if not r.status.finished]
         return outputs
+
+    def _verify_counts(self, request: Request, row: ScheduledRequest, sampled: list[int]) -> int:
+        """Counts a row's accepted drafts in the stats; returns how many of its drafts were rejected."""
+        num_spec = row.num_spec_tokens
+        if num_spec == 0:
+            return 0
+        num_accepted = len(sampled) - 1
+        assert 0 <= num_accepted <= num_spec and sampled[:num_accepted] == row.spec_token_ids[:num_accepted], (
+            f"runner returned {sampled} for drafts {row.spec_token_ids} of {row.request_id}")
+        request.num_draft_tokens += num_spec
+        request.num_accepted_tokens += num_accepted
+        if self.spec_stats is not None:
+            self.spec_stats.observe(num_spec, num_accepted)
+        return num_spec - num_accepted
 
     def _append_tokens(self, request: Request, sampled: list[int]) -> list[int]:
         new_token_ids: list[int] = []
@@ -314,6 +377,8 @@ class Scheduler:
             stop_reason=request.stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
         )
 
     # ---- introspection ------------------------------------------------------------------------

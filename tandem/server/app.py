@@ -1,7 +1,7 @@
 """The FastAPI application: routes, API-key check, cancellation on disconnect, engine lifecycle.
 
-Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` (API key required when one is
-set), and ``/health``, ``/version``, ``/tokenize``, ``/detokenize``, ``/metrics`` (open, as in vLLM).
+Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models[/{id}]`` (API key required when one
+is set), and ``/health``, ``/version``, ``/tokenize``, ``/detokenize``, ``/metrics`` (open, as in vLLM).
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 import tandem
 from tandem.engine.async_llm import AsyncLLM
@@ -66,6 +68,27 @@ async def cancel_on_disconnect(raw: Request, handler: Awaitable[Response]) -> Re
     return Response(status_code=499)  # NOTE: nobody is listening; nginx's "client closed request"
 
 
+class APIKeyMiddleware:
+    """Answers 401 to ``/v1`` requests without ``Authorization: Bearer <api_key>`` (as vLLM does).
+
+    NOTE: an ASGI middleware rather than a route dependency, so the key is checked before the body is
+    read: a wrong key with a malformed body is 401, not 400.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")):
+            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
+                await errors.invalid_api_key().response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(
     engine: AsyncLLM, served_model_names: list[str], api_key: str | None, metrics: ServerMetrics
 ) -> FastAPI:
@@ -86,15 +109,9 @@ def build_app(
     completions = OpenAIServingCompletion(engine, names)
     chat = OpenAIServingChat(engine, names)
     started = int(time.time())
-
-    async def check_api_key(raw: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = raw.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise errors.invalid_api_key()
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    if api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    v1 = APIRouter(prefix="/v1")
 
     @v1.post("/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
@@ -104,11 +121,19 @@ def build_app(
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await cancel_on_disconnect(raw, chat.create(body))
 
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=started, root=str(engine.frontend.model_dir),
+                         max_model_len=engine.max_model_len)
+
     @v1.get("/models")
     async def list_models() -> dict[str, Any]:
-        cards = [ModelCard(id=name, created=started, root=str(engine.frontend.model_dir),
-                           max_model_len=engine.max_model_len) for name in served_model_names]
-        return ModelList(data=cards).model_dump()
+        return ModelList(data=[card(name) for name in served_model_names]).model_dump()
+
+    @v1.get("/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict[str, Any]:
+        if model_id not in served_model_names:
+            raise errors.model_not_found(model_id)
+        return card(model_id).model_dump()
 
     app.include_router(v1)
     _add_service_routes(app, engine, names, metrics)
@@ -118,7 +143,7 @@ def build_app(
 def _add_service_routes(app: FastAPI, engine: AsyncLLM, names: ModelNames, metrics: ServerMetrics) -> None:
     """Health, version, metrics, tokenize and detokenize."""
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not engine.is_healthy:
             reason = str(engine.dead) if engine.dead else "the engine core is not running"
@@ -136,15 +161,9 @@ def _add_service_routes(app: FastAPI, engine: AsyncLLM, names: ModelNames, metri
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> JSONResponse:
         names.resolve(body.model)
-        processor = engine.processor
         if (body.prompt is None) == (body.messages is None):
             raise errors.bad_request("give exactly one of prompt or messages", "prompt")
-        if body.messages is not None:
-            text = processor.apply_chat_template(
-                [m.to_template_message(i) for i, m in enumerate(body.messages)], body.add_generation_prompt)
-            ids = processor.chat_prompt_ids(text)
-        else:
-            ids = list(engine.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+        ids = await engine.run_in_tokenizer(_tokenize, engine, body)
         return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                              "token_strs": None})
 
@@ -155,4 +174,18 @@ def _add_service_routes(app: FastAPI, engine: AsyncLLM, names: ModelNames, metri
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise PromptError(f"token id {bad[0]} is out of the vocabulary [0, {vocab})", "tokens")
-        return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)})
+        return JSONResponse({"prompt": await engine.run_in_tokenizer(engine.tokenizer.decode, body.tokens)})
+
+
+def _tokenize(engine: AsyncLLM, body: TokenizeRequest) -> list[int]:
+    """Token ids of a /tokenize request (runs in the tokenizer thread). No length limit: counting the
+    tokens of a long text is a use of this route.
+
+    Raises:
+        SamplingParamsError / PromptError: an unsupported message part or a failing chat template.
+    """
+    if body.messages is not None:
+        text = engine.processor.apply_chat_template(
+            [m.to_template_message(i) for i, m in enumerate(body.messages)], body.add_generation_prompt)
+        return list(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(engine.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])

@@ -1,19 +1,24 @@
 """``tandem serve``: load the tokenizer here, the model in an engine-core process, then run uvicorn.
 
+The listening port is bound first, so a port in use fails at once, before any model loads.
 SIGTERM or SIGINT (Ctrl-C): uvicorn stops accepting connections and lets in-flight requests finish for up
-to ``--shutdown-timeout`` seconds; then the engine core is stopped and the command exits 0.
+to ``--shutdown-timeout`` seconds; requests still running then are ended with an error (streams get an
+error event and ``[DONE]``); then the engine core is stopped and the command exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +41,7 @@ def add_serve_parser(
                    help="waiting requests beyond which new ones get 429 (0 = unbounded)")
     p.add_argument("--log-requests", action="store_true", help="log prompt text and parameters")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may take to finish after SIGTERM")
+                   help="seconds in-flight requests may take to finish after SIGTERM; then they end with an error")
     p.set_defaults(func=cmd_serve)
 
 
@@ -46,12 +51,49 @@ def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening: clients are refused until uvicorn
+    serves). Raises: OSError when the address is in use or cannot be resolved."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def make_server(config: Any, shutdown_timeout: float, on_deadline: Callable[[], None]) -> Any:
+    """A ``uvicorn.Server`` with a deadline: ``shutdown_timeout`` s after the first SIGTERM/SIGINT,
+    ``on_deadline`` ends the requests still running, so uvicorn's drain then finishes on its own."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        loop: asyncio.AbstractEventLoop | None = None
+
+        async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            if first and self.loop is not None:
+                # NOTE: this runs in a signal handler: hand the timer to the loop thread-safely.
+                self.loop.call_soon_threadsafe(self.loop.call_later, shutdown_timeout, on_deadline)
+
+    return Server(config)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Runs the server until SIGTERM/SIGINT. Returns 0 after a graceful shutdown.
 
     Raises:
         ValueError / FileNotFoundError: bad flags or model (the CLI prints them and exits 2).
-    Returns 1 when the engine-core process fails while loading the model.
+    Returns 1 when the port cannot be bound or the engine-core process fails while loading the model.
     """
     import uvicorn
 
@@ -66,21 +108,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.getLogger("tandem.requests").setLevel(logging.INFO)
     config = engine_config_from_args(args)
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        print(f"tandem: error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 1
     t0 = time.monotonic()
     log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     try:
-        engine = AsyncLLM.from_config(config, log_requests=args.log_requests, log_level=log_level)
-    except EngineCoreStartError as e:
-        print(f"tandem: error: {e}", file=sys.stderr)
-        return 1
-    try:
-        metrics = ServerMetrics(names[0], core_pid=lambda: engine.client.pid)
-        engine.metrics = metrics
-        app = build_app(engine, names, args.api_key, metrics)
-        print(f"tandem: engine ready in {time.monotonic() - t0:.1f} s (core pid {engine.client.pid}); "
-              f"serving {names[0]} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                    timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5)
+        try:
+            engine = AsyncLLM.from_config(config, log_requests=args.log_requests, log_level=log_level)
+        except EngineCoreStartError as e:
+            print(f"tandem: error: {e}", file=sys.stderr)
+            return 1
+        try:
+            metrics = ServerMetrics(names[0], core_pid=lambda: engine.client.pid if engine.is_healthy else None)
+            engine.metrics = metrics
+            app = build_app(engine, names, args.api_key, metrics)
+            print(f"tandem: engine ready in {time.monotonic() - t0:.1f} s (core pid {engine.client.pid}); "
+                  f"serving {names[0]} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+            # NOTE: uvicorn's own drain timeout is a backstop; ours ends the requests first, cleanly.
+            uv_config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=5,
+                                       timeout_graceful_shutdown=args.shutdown_timeout + 5.0)
+            server = make_server(uv_config, args.shutdown_timeout, lambda: _end_in_flight(engine, args))
+            server.run(sockets=[sock])
+        finally:
+            engine.client.close()
     finally:
-        engine.client.close()
+        sock.close()
     return 0
+
+
+def _end_in_flight(engine: Any, args: argparse.Namespace) -> None:
+    count = engine.end_all("the server is shutting down")
+    if count:
+        logger.warning("shutdown timeout (%.1f s) reached: ended %d request(s) still running",
+                       args.shutdown_timeout, count)

@@ -87,18 +87,38 @@ def from_engine_error(e: EngineRequestError | EngineDeadError) -> APIError:
     return bad_request(e.message)
 
 
+_SCALAR_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
+
+
+def _is_union_tag(part: str | int) -> bool:
+    """True for the member names pydantic puts in the location of a union error (``str``,
+    ``list[int]``, ``list[dict[str,any]]``; not ``[key]``); protocol field names never look like that."""
+    return isinstance(part, str) and not part.startswith("[") and ("[" in part or part in _SCALAR_TAGS)
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
+    """400 for the first failing field. ``param`` is the top-level field (``prompt``, ``messages``);
+    the message gives the full path. A union that matched no member lists the members it expects."""
     errors = exc.errors()
     if not errors:
         return bad_request("invalid request")
     first = errors[0]
     if first.get("type") == "json_invalid":
         return bad_request(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip())
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    tag_at = next((i for i, p in enumerate(loc) if _is_union_tag(p)), None)
+    path = loc if tag_at is None else loc[:tag_at]
+    param = str(path[0]) if path else None
     message = first.get("msg", "invalid value")
-    if param:
-        message = f"{param}: {message}"
+    if tag_at is not None:
+        members = []
+        for e in errors:
+            e_loc = [p for p in e.get("loc", ()) if p != "body"]
+            if e_loc[:tag_at] == path and len(e_loc) > tag_at and e_loc[tag_at] not in members:
+                members.append(e_loc[tag_at])
+        message = f"Input should be one of: {', '.join(map(str, members))}"
+    if path:
+        message = f"{'.'.join(map(str, path))}: {message}"
     return bad_request(message, param)
 
 

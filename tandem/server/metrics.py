@@ -40,7 +40,8 @@ class ServerMetrics:
 
     Args:
         model_name: the served model name (the ``model_name`` label, as in vLLM).
-        core_pid: a callable giving the engine-core pid (for its resident memory), or None.
+        core_pid: a callable giving the engine-core pid (for its resident memory; None once it is
+            gone), or None.
     """
 
     def __init__(self, model_name: str, core_pid: Callable[[], int | None] | None = None) -> None:
@@ -67,6 +68,12 @@ class ServerMetrics:
         self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
         self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.spec_num_drafts = counter("spec_decode_num_drafts", "Speculative verifications (one per request step).")
+        self.spec_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_per_pos = Counter("tandem:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by draft position (0-based).",
+                                     ["model_name", "position"], registry=reg)
         self._success = Counter("tandem:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=reg)
         self.model_name = model_name
@@ -90,6 +97,13 @@ class ServerMetrics:
         self.prefix_cache_queries.inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
         self.prefix_cache_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
         self.num_preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
+        self.spec_num_drafts.inc(max(0, stats.spec_num_drafts - last.spec_num_drafts))
+        self.spec_num_draft_tokens.inc(max(0, stats.spec_num_draft_tokens - last.spec_num_draft_tokens))
+        self.spec_num_accepted_tokens.inc(max(0, stats.spec_num_accepted_tokens - last.spec_num_accepted_tokens))
+        previous = last.spec_num_accepted_tokens_per_pos
+        for pos, count in enumerate(stats.spec_num_accepted_tokens_per_pos):
+            before = previous[pos] if pos < len(previous) else 0
+            self._spec_per_pos.labels(self.model_name, str(pos)).inc(max(0, count - before))
         self._last = stats
         if num_batched_tokens > 0:
             self.iteration_tokens.observe(num_batched_tokens)
@@ -110,12 +124,19 @@ class ServerMetrics:
         self._success.labels(self.model_name, finish_reason).inc()
         self.e2e.observe(e2e)
 
+    def clear_gauges(self) -> None:
+        """Zeroes the core's gauges: it is gone, so nothing runs, waits or holds KV blocks."""
+        for gauge in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage):
+            gauge.set(0)
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every series (refreshes the core's memory first)."""
         pid = self.core_pid() if self.core_pid is not None else None
+        rss = 0  # NOTE: no core (or a dead one): nothing resident
         if pid is not None:
             try:
-                self.core_memory.set(psutil.Process(pid).memory_info().rss)
+                rss = psutil.Process(pid).memory_info().rss
             except psutil.Error:
-                self.core_memory.set(0)
+                pass
+        self.core_memory.set(rss)
         return generate_latest(self.registry)

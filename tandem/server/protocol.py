@@ -8,16 +8,64 @@ rejected with 400 instead of being silently dropped.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+from pydantic_core import PydanticCustomError
 
 from tandem.outputs import PositionLogprobs
 from tandem.sampling_params import SamplingParams, SamplingParamsError
 
+# Integer bounds, checked before anything reaches msgpack (64-bit) or torch. Lower bounds of n,
+# max_tokens and min_tokens are SamplingParams' (its messages); these add what keeps values encodable.
+MAX_N = 128  # OpenAI's cap on n; vLLM has none, but n engine requests per prompt must stay bounded
+# NOTE: child i of an n-sample request is seeded seed + i (make_requests, via child_seed), and torch and
+# msgpack need int64. The largest seed leaves room for i <= MAX_N - 1 (2**63 - 1 - (MAX_N - 1)), so
+# child seeds never wrap around: they stay exactly seed + i, as in vLLM.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - MAX_N
+INT32_MAX = 2**31 - 1  # token counts, token ids and top_k are far below it
+TokenId = Annotated[int, Strict()]  # NOTE: Strict rejects true/false (lax mode reads them as 1/0)
+BoundedTokenId = Annotated[int, Strict(), Field(ge=0, le=INT32_MAX)]
+TokenCount = Annotated[int, Field(le=INT32_MAX)]
+
+
+def _first_lone_surrogate(value: Any) -> str | None:
+    """The first lone surrogate (as ``U+D800``) in any string inside ``value``, or None.
+
+    JSON may escape UTF-16 halves (``"\\ud800"``) that no UTF-8 text can hold; tokenizers, msgpack
+    and the JSON encoder of the reply all fail on them, so they are refused at the door.
+    """
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if item.isascii():
+                continue
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return f"U+{ord(item[e.start]):04X}"
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
+
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Ignores unknown fields; refuses NaN/Infinity floats and strings that are not valid Unicode."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        surrogate = _first_lone_surrogate(value)
+        if surrogate is not None:
+            raise PydanticCustomError(
+                "invalid_unicode", "the string is not valid Unicode (lone surrogate {char})", {"char": surrogate})
+        return value
 
 
 class StreamOptions(OpenAIModel):
@@ -28,19 +76,19 @@ class SamplingRequest(OpenAIModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
+    n: Annotated[int, Field(le=MAX_N)] = 1
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: TokenCount | None = None
     min_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    max_tokens: int | None = None
-    min_tokens: int = 0
+    stop_token_ids: list[BoundedTokenId] | None = None
+    max_tokens: TokenCount | None = None
+    min_tokens: TokenCount = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -68,7 +116,7 @@ class SamplingRequest(OpenAIModel):
             raise SamplingParamsError("stream_options is only allowed when stream is true", "stream_options")
         changes: dict[str, Any] = {
             "n": self.n, "seed": self.seed, "max_tokens": max_tokens, "min_tokens": self.min_tokens,
-            "stop": self.stop or [], "stop_token_ids": self.stop_token_ids or [],
+            "stop": [] if self.stop is None else self.stop, "stop_token_ids": self.stop_token_ids or [],
             "ignore_eos": self.ignore_eos, "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens, "logprobs": logprobs,
             "presence_penalty": self.presence_penalty or 0.0,
@@ -83,7 +131,7 @@ class SamplingRequest(OpenAIModel):
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``. ``max_tokens`` absent or null: up to the context limit."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -141,7 +189,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     logprobs: bool = False
     top_logprobs: int | None = None
-    max_completion_tokens: int | None = None
+    max_completion_tokens: TokenCount | None = None
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -161,8 +209,15 @@ class ChatCompletionRequest(SamplingRequest):
             if not self.logprobs:
                 raise SamplingParamsError("top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.to_sampling_params(defaults, max_tokens, logprobs)
+        if self.max_completion_tokens is None:
+            return self.to_sampling_params(defaults, self.max_tokens, logprobs)
+        try:
+            return self.to_sampling_params(defaults, self.max_completion_tokens, logprobs)
+        except SamplingParamsError as e:
+            if e.param != "max_tokens":
+                raise
+            raise SamplingParamsError(str(e).replace("max_tokens", "max_completion_tokens"),
+                                      "max_completion_tokens") from None
 
     def template_messages(self) -> list[dict[str, str]]:
         return [m.to_template_message(i) for i, m in enumerate(self.messages)]
@@ -180,7 +235,7 @@ class TokenizeRequest(OpenAIModel):
 
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # ---- responses ----

@@ -28,6 +28,8 @@ from tandem.server.protocol import (
 from tandem.server.serving_completions import (
     DONE,
     ModelNames,
+    check_context,
+    check_queue_room,
     event_stream,
     final_outputs,
     open_streams,
@@ -45,10 +47,11 @@ class OpenAIServingChat:
         self.tokenizer = engine.tokenizer
 
     def render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
-        """The templated prompt text and its token ids.
+        """The templated prompt text and its token ids (runs in the tokenizer thread).
 
         Raises:
-            SamplingParamsError: an unsupported message part. PromptError: the template failed.
+            SamplingParamsError: an unsupported message part. PromptError: the template failed, or
+                the prompt is empty or too long to ever fit.
         """
         processor = self.engine.processor
         text = processor.apply_chat_template(request.template_messages(), request.add_generation_prompt)
@@ -65,7 +68,9 @@ class OpenAIServingChat:
         if self.engine.dead is not None:
             raise self.engine.dead
         params = request.sampling_params(self.engine.frontend.default_sampling_params)
-        text, ids = self.render(request)
+        check_queue_room(self.engine, 1, params.n)
+        text, ids = await self.engine.run_in_tokenizer(self.render, request)
+        check_context(self.engine.max_model_len, len(ids), params.max_tokens, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         kind = "delta" if request.stream else "cumulative"
         streams = await open_streams(self.engine, request_id, [(text, ids)], params, kind)

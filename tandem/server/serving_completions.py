@@ -67,6 +67,40 @@ def event_stream(body: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
+def check_queue_room(engine: AsyncLLM, num_prompts: int, n: int) -> None:
+    """Refuses a request that needs more engine requests (prompts x n) than the waiting queue can ever
+    hold: all of them may have to wait at once, so it could only ever get 429. 400, not 429, so
+    clients do not retry it.
+
+    Raises:
+        APIError: 400 (param ``n``, or ``prompt`` when the number of prompts is the cause).
+    """
+    limit, needed = engine.max_queue_len, num_prompts * n
+    if limit and needed > limit:
+        raise errors.bad_request(
+            f"this request needs {needed} engine requests ({num_prompts} prompt(s) x n={n}) but the waiting "
+            f"queue holds at most {limit} (--max-queue-len); it can never be accepted",
+            "n" if n > limit else "prompt")
+
+
+def check_context(max_model_len: int, num_prompt_tokens: int, max_tokens: int | None, param: str) -> None:
+    """vLLM's 400 for an explicit ``max_tokens`` that does not fit after the prompt (absent or null
+    ``max_tokens`` means "up to the context" and always fits). A prompt that alone fills the context
+    is left to ``InputProcessor.make_requests``, whose message says so.
+
+    Raises:
+        PromptError: ``num_prompt_tokens + max_tokens > max_model_len`` (code context_length_exceeded).
+    """
+    if max_tokens is None or num_prompt_tokens >= max_model_len:
+        return
+    total = num_prompt_tokens + max_tokens
+    if total > max_model_len:
+        raise PromptError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{total} tokens ({num_prompt_tokens} in the messages, {max_tokens} in the completion). "
+            "Please reduce the length of the messages or completion.", param)
+
+
 async def open_streams(
     engine: AsyncLLM, request_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
     output_kind: str,
@@ -145,12 +179,22 @@ class OpenAIServingCompletion:
         self.model_names = model_names
         self.tokenizer = engine.tokenizer
 
-    def _prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
+    @staticmethod
+    def _prompt_list(prompt: Any) -> list[Any]:
+        """The request's prompts: one string or id list becomes a list of one.
+
+        Raises:
+            PromptError: no prompt at all.
+        """
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         if not prompt:
             raise PromptError("the prompt is empty")
-        return [self.engine.processor.tokenize(p) for p in prompt]
+        return prompt
+
+    def _tokenize(self, prompts: list[Any]) -> list[tuple[str | None, list[int]]]:
+        """(text, ids) of each prompt; runs in the tokenizer thread. Raises: PromptError."""
+        return [self.engine.processor.tokenize(p) for p in prompts]
 
     async def create(self, request: CompletionRequest) -> JSONResponse | StreamingResponse:
         """Answers one completions request (JSON, or an SSE stream when ``stream`` is set).
@@ -163,7 +207,11 @@ class OpenAIServingCompletion:
         if self.engine.dead is not None:
             raise self.engine.dead
         params = request.sampling_params(self.engine.frontend.default_sampling_params)
-        prompts = self._prompts(request.prompt)
+        given = self._prompt_list(request.prompt)
+        check_queue_room(self.engine, len(given), params.n)
+        prompts = await self.engine.run_in_tokenizer(self._tokenize, given)
+        for _, ids in prompts:
+            check_context(self.engine.max_model_len, len(ids), params.max_tokens, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         kind = "delta" if request.stream else "cumulative"
         streams = await open_streams(self.engine, request_id, prompts, params, kind)

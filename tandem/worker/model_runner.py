@@ -3,6 +3,8 @@
 Per step: flatten the scheduled rows into one ragged batch (token ids, positions, slot mapping,
 block tables), run the model, take the hidden state at the last token of every row that samples,
 compute float32 logits there and call the sampler. The runner never decides who runs.
+With speculative decoding, rows carrying drafts get logits at their last k + 1 positions and are
+verified by ``spec_decode``; then the proposer drafts the next step's tokens.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from tandem.kv_cache.storage import bytes_per_block, kv_cache_shape
 from tandem.models.hf_config import HFModelConfig, load_hf_config
 from tandem.models.llama import KVCache
 from tandem.models.loader import DTYPES, load_model
-from tandem.outputs import ModelRunnerOutput, SchedulerOutput
+from tandem.models.quant import quantize_model
+from tandem.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tandem.sample.sampler import Sampler, SamplingState
+from tandem.spec_decode.rejection import VerifyResult
+from tandem.spec_decode.speculator import Speculator, build_proposer
 from tandem.worker.cpu_env import configure_threads
 
 logger = logging.getLogger(__name__)
@@ -89,6 +94,15 @@ class ModelRunner:
             Path(model_dir), self.hf_config, self.dtype, self.max_model_len, backend, progress=progress
         )
         self.sampler = Sampler()
+        self.speculator: Speculator | None = None
+        if engine_config.speculative is not None:
+            proposer, draft = build_proposer(
+                engine_config.speculative, self.model, self.dtype, self.block_size, self.max_model_len
+            )
+            self.speculator = Speculator(engine_config.speculative, proposer, draft, self.max_model_len)
+        if engine_config.model.quantization is not None:
+            # NOTE: after the proposer, so that a self-quantized draft starts from the float weights.
+            quantize_model(self.model, engine_config.model.quantization)
         self.states: dict[str, SamplingState] = {}
         self.kv_caches: list[KVCache] = []
         self.num_blocks = 0
@@ -105,6 +119,8 @@ class ModelRunner:
         """
         self.kv_caches = self._allocate_kv(num_blocks)
         self.num_blocks = num_blocks
+        if self.speculator is not None:
+            self.speculator.initialize_kv_cache(num_blocks)
         logger.info("KV cache: %d blocks, %.3f GiB", num_blocks,
                     num_blocks * self.kv_cache_bytes_per_block(self.block_size) / (1 << 30))
 
@@ -133,32 +149,54 @@ class ModelRunner:
             return ModelRunnerOutput()
         if not self.kv_caches:
             raise RuntimeError("initialize_kv_cache() must be called before execute()")
-        sample_rows = [i for i, r in enumerate(rows) if r.sample]
+        sample_rows = [i for i, r in enumerate(rows) if r.sample and r.num_spec_tokens == 0]
+        spec_rows = [i for i, r in enumerate(rows) if r.num_spec_tokens > 0]
         states = [self._state(rows[i].request_id) for i in sample_rows]
+        output = ModelRunnerOutput()
         with torch.inference_mode():
             hidden = self._forward(
                 [r.token_ids for r in rows], [r.num_computed_tokens for r in rows],
                 [r.block_ids for r in rows], self.kv_caches,
             )
-            if not sample_rows:
-                return ModelRunnerOutput()
-            last = torch.tensor(list(itertools.accumulate(len(r.token_ids) for r in rows))) - 1
-            logits = self.model.compute_logits(hidden[last[sample_rows]])
-            sampled = self.sampler(logits, states)
-        output = ModelRunnerOutput()
-        for i, state, token, logprobs in zip(
-            sample_rows, states, sampled.token_ids, sampled.logprobs, strict=True
-        ):
-            request_id = rows[i].request_id
-            state.output_token_ids.append(token)
-            output.sampled_token_ids[request_id] = [token]
-            if state.params.logprobs is not None and logprobs is not None:
-                output.logprobs[request_id] = [logprobs]
+            ends = list(itertools.accumulate(len(r.token_ids) for r in rows))
+            if sample_rows:
+                logits = self.model.compute_logits(hidden[[ends[i] - 1 for i in sample_rows]])
+                sampled = self.sampler(logits, states)
+                for i, state, token, logprobs in zip(
+                    sample_rows, states, sampled.token_ids, sampled.logprobs, strict=True
+                ):
+                    self._record(output, rows[i].request_id, state, VerifyResult([token], [logprobs]))
+            if spec_rows:
+                self._verify(output, [rows[i] for i in spec_rows], hidden, [ends[i] for i in spec_rows])
+            if self.speculator is not None:
+                output.spec_token_ids = self.speculator.propose(rows, output.sampled_token_ids, self.states)
         return output
+
+    def _verify(
+        self, output: ModelRunnerOutput, rows: list[ScheduledRequest], hidden: torch.Tensor, ends: list[int]
+    ) -> None:
+        """Target logits at each draft row's last k + 1 positions, rejection-sampled by the speculator."""
+        if self.speculator is None:
+            raise RuntimeError("a row carries draft tokens but speculative decoding is not configured")
+        index = [p for row, end in zip(rows, ends, strict=True) for p in range(end - row.num_spec_tokens - 1, end)]
+        states = [self._state(row.request_id) for row in rows]
+        results = self.speculator.verify(self.model.compute_logits(hidden[index]), rows, states)
+        for row, state, result in zip(rows, states, results, strict=True):
+            self._record(output, row.request_id, state, result)
+
+    @staticmethod
+    def _record(output: ModelRunnerOutput, request_id: str, state: SamplingState, result: VerifyResult) -> None:
+        """Appends a row's new tokens to its sampling state and to ``output`` (logprobs when asked)."""
+        state.output_token_ids.extend(result.token_ids)
+        output.sampled_token_ids[request_id] = result.token_ids
+        if state.params.logprobs is not None and result.logprobs is not None and None not in result.logprobs:
+            output.logprobs[request_id] = result.logprobs
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
             self.states.pop(request_id, None)
+        if self.speculator is not None:
+            self.speculator.remove(scheduler_output.finished_request_ids)
         for new in scheduler_output.new_requests:
             self.states[new.request_id] = SamplingState.create(
                 new.sampling_params, new.prompt_token_ids, new.output_token_ids, new.eos_token_ids

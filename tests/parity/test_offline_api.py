@@ -112,3 +112,69 @@ def test_default_model_answers_paris():
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=24))[0]
     assert "Paris" in out.outputs[0].text
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_chat_stream_equals_chat_and_per_conversation_params(llm):
+    conv = [{"role": "user", "content": "Tell me a story"}]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    whole = llm.chat(conv, params, chat_template=CHATML)[0].outputs[0].text
+    assert "".join(llm.chat_stream(conv, params, chat_template=CHATML)) == whole
+    outs = llm.chat([conv, conv], [params, SamplingParams(temperature=0, max_tokens=3)], chat_template=CHATML)
+    assert outs[0].outputs[0].text == whole and len(outs[1].outputs[0].token_ids) == 3
+
+
+def test_chat_bad_messages_raise(llm):
+    with pytest.raises(PromptError, match="must not be empty"):
+        llm.chat([], chat_template=CHATML)
+    with pytest.raises(PromptError, match="not one dict"):
+        llm.chat({"role": "user", "content": "hi"}, chat_template=CHATML)
+
+
+def test_closing_a_stream_early_frees_blocks(llm):
+    stream = llm.chat_stream([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0, max_tokens=50),
+                             chat_template=CHATML)
+    next(stream)
+    stream.close()
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.scheduler.kv_cache_manager.usage == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [({"seed": 2**64}, "seed"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+     ({"temperature": float("inf")}, "temperature"),
+     ({"max_tokens": True}, "max_tokens"), ({"temperature": "0.5"}, "temperature")],
+)
+def test_bad_types_raise(kwargs, param):
+    with pytest.raises(SamplingParamsError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
+
+
+def test_stop_token_out_of_vocab_and_seed_wrap(llm):
+    with pytest.raises(SamplingParamsError, match="out of the vocabulary"):
+        llm.generate("Hi", SamplingParams(stop_token_ids=[10**6], min_tokens=1))
+    out = llm.generate("Hi", SamplingParams(n=2, seed=2**63 - 1, max_tokens=4))[0]
+    assert len(out.outputs) == 2
+
+
+def test_folder_without_tokenizer_names_it(stories_dir, tmp_path):
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((stories_dir / name).read_bytes())
+    with pytest.raises(FileNotFoundError, match="expected tokenizer.json"):
+        LLM(str(tmp_path), progress=False)
+
+
+def test_min_tokens_applies_to_stop_strings(llm):
+    out = llm.generate("Once upon a time",
+                       SamplingParams(temperature=0, max_tokens=40, stop=[","], min_tokens=5))[0].outputs[0]
+    assert len(out.token_ids) > 5
+    assert out.finish_reason in ("stop", "length")
+    free = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    assert free.text.startswith(",")  # without min_tokens the stop string would end it at once

@@ -175,6 +175,9 @@ def test_stream_disconnect_aborts_and_frees_kv(server):
     assert after[("tandem:kv_cache_usage_perc", ())] == 0
     assert after[("tandem:num_requests_running", ())] == 0
     assert _delta(after, before, "request_success_total", finished_reason="length") == 0
+    # vLLM counts an aborted request under finished_reason="abort" and in the e2e latency histogram.
+    assert _delta(after, before, "request_success_total", finished_reason="abort") == 1
+    assert _delta(after, before, "e2e_request_latency_seconds_count") == 1
     assert _delta(after, before, "generation_tokens_total") < 480
     assert _abort_logged(server)
 
@@ -193,6 +196,7 @@ def test_non_stream_disconnect_aborts(server):
     after = wait_idle(server.url)
     assert after[("tandem:kv_cache_usage_perc", ())] == 0
     assert _delta(after, before, "request_success_total", finished_reason="length") == 0
+    assert _delta(after, before, "request_success_total", finished_reason="abort") == 1
     assert _delta(after, before, "generation_tokens_total") < 490
 
 

@@ -1,9 +1,11 @@
-"""Queue limit (429), engine-core death (503 for everyone, promptly), and SIGTERM drain (exit 0)."""
+"""Queue limit (429, or 400 when a request can never fit), engine-core death (503 for everyone,
+promptly, gauges zeroed), and SIGTERM: drain (exit 0), or past the timeout an error event and [DONE]."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import signal
 import time
 
@@ -16,6 +18,8 @@ QUEUE_FULL = {"error": {"message": "the waiting queue is full (1 requests); retr
 DEAD = {"error": {"message": "the engine core process died", "type": "service_unavailable", "param": None,
                   "code": "engine_unavailable"}}
 LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+ABORTED = re.compile(r"finished request cmpl-\w+: prompt_tokens=5 output_tokens=\d+ ttft=\S+ total=\S+ "
+                     r"finish_reason=abort\n")
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +56,24 @@ def test_queue_full_is_429(server):
             assert r.json()["usage"]["completion_tokens"] == 400
 
 
+def test_requests_that_can_never_be_queued_are_400(server):
+    # --max-queue-len 1: two engine requests can never wait together, so retrying (429) is pointless.
+    def never(needed, prompts, n, param):
+        message = (f"this request needs {needed} engine requests ({prompts} prompt(s) x n={n}) but the waiting "
+                   "queue holds at most 1 (--max-queue-len); it can never be accepted")
+        return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}}
+
+    r = completion(server, {"prompt": "Hi", "max_tokens": 2, "n": 2})
+    assert r.status_code == 400 and r.json() == never(2, 1, 2, "n")
+    r = completion(server, {"prompt": ["Hi", "Bye"], "max_tokens": 2})
+    assert r.status_code == 400 and r.json() == never(2, 2, 1, "prompt")
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=10,
+                   json={"messages": [{"role": "user", "content": "Hi"}], "n": 3})
+    assert r.status_code == 400 and r.json() == never(3, 1, 3, "n")
+    r = completion(server, {"prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3
+
+
 def test_core_death_turns_everything_503(server):
     # NOTE: runs last in this module: it kills the engine core of the shared server.
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -64,12 +86,19 @@ def test_core_death_turns_everything_503(server):
         while metric_samples(server.url)[("tandem:num_requests_waiting", ())] < 1:
             assert time.monotonic() < deadline, "the second request was never queued"
             time.sleep(0.01)
+        aborts_before = len(ABORTED.findall(server.log()))
         server.core_process().kill()
         t0 = time.monotonic()
         r = waiting.result(timeout=10)
         events = running.result(timeout=10)
     assert time.monotonic() - t0 < 5
     assert r.status_code == 503 and r.json() == DEAD
+    # The dead core's gauges are zeroed, and both in-flight requests get their finished line.
+    m = metric_samples(server.url)
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                  "engine_core_resident_memory_bytes"):
+        assert m[(f"tandem:{gauge}", ())] == 0, gauge
+    assert len(ABORTED.findall(server.log())) - aborts_before == 2
     # The stream had sent its 200 header: it ends with an error event, then [DONE].
     assert events[-1] == "[DONE]" and json.loads(events[-2]) == DEAD
     health = httpx.get(f"{server.url}/health", timeout=5)
@@ -81,25 +110,55 @@ def test_core_death_turns_everything_503(server):
     assert r.status_code in (400, 503)  # no chat template on this server: 400 may come first
 
 
-def test_sigterm_drains_in_flight_and_exits_0(stories_dir, tmp_path):
-    s = Server(stories_dir, tmp_path / "server.log", "--shutdown-timeout", "20")
+@pytest.fixture(scope="module")
+def sigterm_servers(stories_dir, tmp_path_factory):
+    """Two servers started together (to halve the wait): a 20 s drain and a 0 s drain."""
+    servers = {timeout: Server(stories_dir, tmp_path_factory.mktemp(f"sigterm{timeout}") / "server.log",
+                               "--shutdown-timeout", timeout) for timeout in ("20", "0")}
     try:
-        s.wait_healthy()
-        body = {**LONG, "max_tokens": 300, "stream": True}
-        with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            first = next(line for line in lines if line.startswith("data: "))
-            s.proc.send_signal(signal.SIGTERM)
-            rest = sse_data_from(lines)
-        chunks = [json.loads(first[6:])] + [json.loads(d) for d in rest[:-1]]
-        assert rest[-1] == "[DONE]"
-        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-        assert s.proc.wait(30) == 0
-        with pytest.raises(httpx.ConnectError):
-            httpx.get(f"{s.url}/health", timeout=2)
-        assert "Traceback" not in s.log()
+        for s in servers.values():
+            s.wait_healthy()
+        yield servers
     finally:
-        s.stop()
+        for s in servers.values():
+            s.stop()
+
+
+def _stream_then_sigterm(s: Server, max_tokens: int) -> tuple[dict, list[str]]:
+    """Starts a stream, sends SIGTERM after its first chunk; returns that chunk and the rest."""
+    body = {**LONG, "max_tokens": max_tokens, "stream": True}
+    with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        s.proc.send_signal(signal.SIGTERM)
+        return json.loads(first[6:]), sse_data_from(lines)
+
+
+def test_sigterm_drains_in_flight_and_exits_0(sigterm_servers):
+    s = sigterm_servers["20"]
+    first, rest = _stream_then_sigterm(s, 300)
+    chunks = [first] + [json.loads(d) for d in rest[:-1]]
+    assert rest[-1] == "[DONE]"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert s.proc.wait(30) == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{s.url}/health", timeout=2)
+    assert "Traceback" not in s.log()
+
+
+def test_sigterm_past_the_timeout_ends_streams_with_an_error(sigterm_servers):
+    # --shutdown-timeout 0: the stream still running at SIGTERM ends with an error event and [DONE].
+    s = sigterm_servers["0"]
+    _, rest = _stream_then_sigterm(s, 480)
+    assert rest[-1] == "[DONE]"
+    assert json.loads(rest[-2]) == {"error": {"message": "the server is shutting down", "type": "service_unavailable",
+                                              "param": None, "code": "engine_unavailable"}}
+    assert all(json.loads(d)["choices"][0]["finish_reason"] is None for d in rest[:-2])
+    assert s.proc.wait(30) == 0
+    log = s.log()
+    assert "Traceback" not in log and "CancelledError" not in log
+    assert log.count("shutdown timeout (0.0 s) reached: ended 1 request(s) still running") == 1
+    assert len(ABORTED.findall(log)) == 1
 
 
 def sse_data_from(lines) -> list[str]:

@@ -13,7 +13,8 @@ measured against absolute deadlines so sleeps do not drift. Modes:
   truncated     n tokens, none with finish_reason, ends without `[DONE]` (malformed)
 Chat requests get a role-only header chunk immediately, before the first token. An `id=TAG` item
 records the time the handler received the request in `FakeOpenAIServer.received[TAG]`.
-`GET /stats` returns the peak number of requests in flight.
+`GET /stats` returns the peak number of requests in flight. `GET /v1/models` lists one model, with
+`root` = `FakeOpenAIServer.model_root` when that is set (as vLLM and Tandem report the model path).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class FakeOpenAIServer:
 
     def __init__(self) -> None:
         self.in_flight = 0
+        self.model_root: str | None = None
         self.peak_in_flight = 0
         # id= tag of the script -> perf_counter() when the handler got the request (same clock as
         # the client's when the server runs in the test's process).
@@ -92,7 +94,10 @@ class FakeOpenAIServer:
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
-            return {"object": "list", "data": [{"id": MODEL, "object": "model"}]}
+            card = {"id": MODEL, "object": "model"}
+            if self.model_root is not None:
+                card["root"] = self.model_root
+            return {"object": "list", "data": [card]}
 
         @app.get("/stats")
         async def stats() -> dict[str, Any]:

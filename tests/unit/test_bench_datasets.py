@@ -14,6 +14,7 @@ from tandem.bench.datasets import (
     random_requests,
     sample_lengths,
     sharegpt_requests,
+    workload_settings,
 )
 
 CORPUS = [
@@ -78,6 +79,21 @@ def test_random_dataset_needs_a_tokenizer():
         get_requests(
             "random", num_prompts=1, input_len=8, output_len=4, range_ratio=0, seed=0, tokenizer=None
         )
+
+
+def test_output_len_zero_is_rejected_not_replaced_by_the_default(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "hi"}\n')
+    for dataset in ("random", "jsonl"):
+        with pytest.raises(ValueError, match="--output-len must be >= 1, got 0"):
+            get_requests(dataset, num_prompts=1, input_len=8, output_len=0, range_ratio=0, seed=0,
+                         tokenizer=None, dataset_path=str(path))
+    reqs = get_requests("jsonl", num_prompts=1, input_len=8, output_len=None, range_ratio=0, seed=0,
+                        tokenizer=None, dataset_path=str(path))
+    assert reqs[0].expected_output_len == 128
+    assert workload_settings("jsonl", 8, None, 0.0, str(path)) == {
+        "dataset": "jsonl", "dataset_path": str(path), "input_len": None, "output_len": 128, "range_ratio": None}
+    assert workload_settings("sharegpt", 8, None, 0.0, "s.json")["output_len"] is None  # each reply's length
 
 
 def test_sample_lengths_bounds():

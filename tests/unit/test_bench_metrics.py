@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -13,6 +15,7 @@ from tandem.bench.metrics import (
     parse_percentiles,
     percentile_key,
 )
+from tandem.bench.report import cdf_points, format_summary
 
 
 def _ok(ttft, itl, out_tokens, prompt_len=10, text=""):
@@ -29,7 +32,7 @@ def test_vllm_definitions():
         RequestResult(prompt_len=99).fail("timeout", "slow"),
     ]
     m = calculate_metrics(results, duration_s=2.0, percentiles=[50, 90, 99.9])
-    assert m["completed"] == 3 and m["failed"] == 2
+    assert m["completed"] == 3 and m["failed"] == 2 and m["success_rate"] == pytest.approx(0.6)
     assert m["failures"] == {"http_503": 1, "timeout": 1}
     assert m["total_input_tokens"] == 40  # failed requests' prompts are not counted
     assert m["total_output_tokens"] == 7
@@ -49,6 +52,7 @@ def test_vllm_definitions():
     assert m["mean_e2el_ms"] == pytest.approx((190.0 + 350.0 + 200.0) / 3)
     assert m["request_goodput"] is None
     assert m["output_lens"] == [4, 2, 1, 0, 0]
+    assert m["ttfts"] == [0.1, 0.3, 0.2, None, None]  # failures have no latency, not 0
     assert m["error_kinds"] == [None, None, None, "http_503", "timeout"]
 
 
@@ -82,11 +86,26 @@ def test_output_tokens_fall_back_to_tokenizer_then_chunks():
     assert output_token_count(r, WordTokenizer()) == 9
 
 
-def test_all_failed_reports_zeros():
-    m = calculate_metrics([RequestResult().fail("connection_error", "refused")], 1.0, [99])
-    assert m["completed"] == 0 and m["mean_ttft_ms"] == 0.0 and m["p99_e2el_ms"] == 0.0
+def test_all_failed_reports_nulls_not_zeros():
+    m = calculate_metrics([RequestResult().fail("connection_error", "refused")] * 2, 1.0, [99])
+    assert (m["completed"], m["failed"], m["success_rate"], m["request_throughput"]) == (0, 2, 0.0, 0.0)
+    latency_keys = [k for k in m if k.endswith("_ms")]
+    assert len(latency_keys) == 4 * 4  # mean, median, std, p99 of ttft, tpot, itl, e2el
+    assert all(m[k] is None for k in latency_keys)
+    assert m["ttfts"] == m["e2els"] == [None, None]
+    assert json.loads(json.dumps(m))["p99_e2el_ms"] is None  # saved as JSON null
+    summary = format_summary({**m, "peak_server_rss_bytes": None}, [99])
+    latency_lines = [line for line in summary.splitlines() if "(ms):" in line]
+    assert len(latency_lines) == 12 and all(line.split()[-1] == "n/a" for line in latency_lines)
+    assert "0.00" not in "\n".join(latency_lines)
     with pytest.raises(ValueError):
         calculate_metrics([], 0.0, [99])
+
+
+def test_single_token_requests_have_no_tpot_or_itl():
+    m = calculate_metrics([_ok(0.2, [], 1), _ok(0.4, [], 1)], 1.0, [50])
+    assert m["mean_ttft_ms"] == pytest.approx(300.0) and m["p50_e2el_ms"] == pytest.approx(300.0)
+    assert m["mean_tpot_ms"] is None and m["p50_itl_ms"] is None and m["success_rate"] == 1.0
 
 
 def test_parsers():
@@ -100,3 +119,9 @@ def test_parsers():
     with pytest.raises(ValueError):
         parse_percentiles("101")
     assert percentile_key(99.0) == "p99" and percentile_key(99.9) == "p99.9"
+
+
+def test_latency_cdf_starts_at_zero():
+    xs, ys = cdf_points([30.0, 10.0, 20.0])
+    assert xs == [0.0, 10.0, 20.0, 30.0]
+    assert ys == pytest.approx([0.0, 1 / 3, 2 / 3, 1.0])

@@ -64,3 +64,19 @@ def test_offline_cli_on_stories260k(stories_dir, tmp_path, capsys, backend):
     table = capsys.readouterr().out
     assert "| backend | prefill_tok_s |" in table
     assert ("| tandem/hf |" in table) == (backend == "both")
+
+
+def test_offline_rejects_bad_lengths_before_generating(stories_dir, capsys, monkeypatch):
+    def no_measure(*args, **kwargs):
+        raise AssertionError("measured although the lengths cannot fit")
+
+    monkeypatch.setattr(offline, "measure", no_measure)
+    for backend in ("tandem", "hf"):
+        code = main(["bench", "offline", "--model", str(stories_dir), "--input-len", "500", "--output-len", "100",
+                     "--batch-size", "1", "--backend", backend, "--dtype", "float32"])
+        assert code == 2
+        assert f"{backend}: input 500 + output 100 > context 512" in capsys.readouterr().err
+    assert main(["bench", "offline", "--output-len", "0"]) == 2  # checked before any model is loaded
+    assert "--output-len must be >= 1, got 0" in capsys.readouterr().err
+    offline.check_context("x", 400, 112, 512)  # exactly the context fits
+    offline.check_context("x", 10_000, 1, None)  # unknown context: not checked

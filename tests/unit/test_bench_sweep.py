@@ -4,6 +4,7 @@ their content, the CLI wiring, and server memory sampling."""
 from __future__ import annotations
 
 import json
+import mmap
 import os
 
 import pytest
@@ -79,19 +80,68 @@ def test_serve_cli_saves_result_and_exit_codes(server, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "Serving Benchmark Result" in out and "P99 TTFT (ms):" in out and "http_500:" in out
     prompts.write_text('{"prompt": "mode=http500"}\n')
-    assert main(args) == 1  # nothing succeeded
+    capsys.readouterr()
+    assert main([*args, "--save-result", str(result_path)]) == 1  # nothing succeeded
+    latency_lines = [line for line in capsys.readouterr().out.splitlines() if "(ms):" in line]
+    assert latency_lines and all(line.split()[-1] == "n/a" for line in latency_lines)
+    saved = json.loads(result_path.read_text())
+    assert saved["p99_ttft_ms"] is None and saved["success_rate"] == 0.0
+    assert (saved["dataset"], saved["output_len"], saved["input_len"]) == ("jsonl", 128, None)
     assert main([*args, "--goodput", "itl:5"]) == 2  # bad flag value
+
+
+def _missing_pid() -> int:
+    import psutil
+
+    pid = 999999
+    while psutil.pid_exists(pid):
+        pid += 1
+    return pid
+
+
+def test_serve_cli_rejects_bad_lengths_and_pid_up_front(tmp_path, capsys):
+    """No server is needed: the flags are checked before /v1/models is asked."""
+    args = ["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", MODEL, "--tokenizer", "x",
+            "--disable-tqdm"]
+    for extra, message in [(["--output-len", "0"], "--output-len must be >= 1, got 0"),
+                           (["--input-len", "0"], "--input-len must be >= 1, got 0"),
+                           (["--server-pid", str(_missing_pid())], "no such process")]:
+        assert main([*args, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, extra
+    assert main(["bench", "sweep", *args[2:], "--num-prompts", "0", "--output-dir", str(tmp_path)]) == 2
+    assert "--num-prompts must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_serve_cli_takes_the_tokenizer_from_the_model_root(server, stories_dir, tmp_path, capsys):
+    args = ["bench", "serve", "--base-url", server.base_url, "--input-len", "12", "--output-len", "3",
+            "--num-prompts", "2", "--disable-tqdm", "--save-result", str(tmp_path / "r.json")]
+    server.model_root = str(tmp_path / "not-here")  # a root that is no local path: no tokenizer
+    try:
+        assert main(args) == 2
+        assert "needs a tokenizer" in capsys.readouterr().err
+        server.model_root = str(stories_dir)
+        assert main(args) == 0
+    finally:
+        server.model_root = None
+    assert f"tokenizer: {stories_dir}" in capsys.readouterr().out
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["completed"] == 2 and saved["model_id"] == MODEL
+    assert (saved["dataset"], saved["input_len"], saved["output_len"]) == ("random", 12, 3)
 
 
 def test_memory_sampler_sums_the_process_tree():
     sampler = MemorySampler(os.getpid(), interval_s=0.01)
     sampler.start()
-    blob = bytearray(64 * 2**20)  # touch 64 MiB while sampling
-    blob[:: 4096] = b"\x01" * len(blob[:: 4096])
+    # NOTE: a fresh anonymous mapping, so the pages are new to the process whatever the allocator
+    # kept from earlier tests (a bytearray may reuse already-resident heap pages).
+    blob = mmap.mmap(-1, 64 * 2**20)
+    for offset in range(0, len(blob), 4096):
+        blob[offset] = 1
     sampler.stop()
     assert sampler.first_bytes is not None
     assert sampler.peak_bytes >= sampler.first_bytes + 50 * 2**20
-    del blob
+    blob.close()
 
 
 def test_memory_counts_child_processes():

@@ -74,9 +74,28 @@ def _run(proc, request_id, ids, chunks, finish_reason="length", stop_reason=None
     return results
 
 
-def _add(proc, rid="r", params=None, kind="cumulative", parent=None, index=0, n=1):
-    proc.add_request(rid, parent or rid, index, n, "prompt", [1, 2], params or SamplingParams(),
+def _add(proc, rid="r", params=None, kind="cumulative", parent=None, index=0, n=1, prompt_ids=(1,)):
+    """Add a child; the default prompt is id 1 alone (stories260K's BOS "<s>")."""
+    proc.add_request(rid, parent or rid, index, n, "prompt", list(prompt_ids), params or SamplingParams(),
                      output_kind=kind)
+
+
+def _in_context(tok, prompt_ids, ids, skip_special=True):
+    """What the output adds to the decoded prompt (vLLM's semantics for the completion text)."""
+    prompt_text = tok.decode(prompt_ids, skip_special_tokens=skip_special)
+    full = tok.decode(list(prompt_ids) + ids, skip_special_tokens=skip_special)
+    assert full.startswith(prompt_text)
+    return full[len(prompt_text) :]
+
+
+def _random_prompt(tok, rng: random.Random, whole_ids: list[int]) -> list[int]:
+    """Empty, BOS-like special ids, or random text/ids (long enough to exceed the context window)."""
+    kind = rng.random()
+    if kind < 0.15:
+        return []
+    if kind < 0.3:
+        return [rng.choice(tok.all_special_ids)]
+    return _random_ids(tok, rng, whole_ids) + _random_ids(tok, rng, whole_ids)
 
 
 @pytest.mark.parametrize("tok_name", ["stories_tok", "bytelevel_tok"])
@@ -87,12 +106,14 @@ def test_streamed_text_equals_decode_on_random_sequences(request, tok_name, skip
     whole_ids = _whole_char_ids(tok)
     params = SamplingParams(skip_special_tokens=skip_special)
     for case in range(150):
-        ids = _random_ids(tok, rng, whole_ids)
-        expected = tok.decode(ids, skip_special_tokens=skip_special)
+        ids, prompt = _random_ids(tok, rng, whole_ids), _random_prompt(tok, rng, whole_ids)
+        expected = _in_context(tok, prompt, ids, skip_special)
+        if tok_name == "bytelevel_tok":  # byte-level BPE decodes token by token: the prompt changes nothing
+            assert expected == tok.decode(ids, skip_special_tokens=skip_special)
         chunks = [rng.randint(1, 3) for _ in range(5)]
         proc = OutputProcessor(tok)
-        _add(proc, "d", params, "delta")
-        _add(proc, "c", params, "cumulative")
+        _add(proc, "d", params, "delta", prompt_ids=prompt)
+        _add(proc, "c", params, "cumulative", prompt_ids=prompt)
         deltas = [r.request_outputs[0].outputs[0].text for r in _run(proc, "d", ids, chunks)]
         cumulative = [r.request_outputs[0].outputs[0].text for r in _run(proc, "c", ids, chunks)]
         assert "".join(deltas) == expected, (case, ids)
@@ -175,7 +196,8 @@ def test_stop_string_inside_multi_token_step_keeps_all_tokens(stories_tok):
 
 def test_eos_and_stop_token_text_hidden_unless_included(stories_tok):
     ids = _story_ids(stories_tok, "Once upon") + [stories_tok.eos_token_id]
-    for include, expected in [(False, "Once upon"), (True, "Once upon</s>")]:
+    # NOTE: with special tokens shown, the prompt "<s>" precedes "▁Once", so its space stays (as in vLLM).
+    for include, expected in [(False, " Once upon"), (True, " Once upon</s>")]:
         proc = OutputProcessor(stories_tok)
         params = SamplingParams(skip_special_tokens=False, include_stop_str_in_output=include)
         _add(proc, params=params)
@@ -249,8 +271,79 @@ def test_logprobs_decoded_tokens_and_cumulative(stories_tok):
     c1, c2 = out1.request_outputs[0].outputs[0], out2.request_outputs[0].outputs[0]
     assert c1.logprobs == positions[:1] and c2.logprobs == positions[1:]
     assert c1.cumulative_logprob == -0.5 and c2.cumulative_logprob == -2.5
+    # Sampled tokens: their text in context ("Once" starts the text after BOS); alternatives: alone.
     assert [lp.decoded_token for lp in positions[0].values()] == ["Once", "</s>"]
-    assert [lp.decoded_token for lp in positions[1].values()] == [stories_tok.decode([5]), "upon"]
+    assert [lp.decoded_token for lp in positions[1].values()] == [stories_tok.decode([5]), " upon"]
+
+
+def _greedy_logprobs(tok, ids, alternatives):
+    """Positions where the sampled id ranks first and the given alternative ids follow."""
+    return [_position([(t, -0.1)] + [(a, -1.0 - k) for k, a in enumerate(alternatives) if a != t])
+            for t in ids]
+
+
+@pytest.mark.parametrize("chunks", [[1], [3]])
+def test_logprob_tokens_join_into_text_and_keep_spaces(stories_tok, chunks):
+    tok = stories_tok
+    prompt = tok("Lily went to the")["input_ids"]
+    ids = tok.encode("park with her mom. 日本", add_special_tokens=False) + [tok.eos_token_id]  # "▁park", ...
+    there, comma = tok.convert_tokens_to_ids("▁there"), tok.convert_tokens_to_ids(",")
+    positions = _greedy_logprobs(tok, ids, [there, comma, tok.eos_token_id])
+    proc = OutputProcessor(tok)
+    _add(proc, params=SamplingParams(logprobs=3), kind="delta", prompt_ids=prompt)
+    text, tokens, pos = "", [], 0
+    while pos < len(ids):
+        step = ids[pos : pos + chunks[0]]
+        last = pos + len(step) >= len(ids)
+        out = proc.process_outputs([EngineCoreOutput("r", step, new_logprobs=positions[pos : pos + len(step)],
+                                                     finish_reason="stop" if last else None)])
+        completion = out.request_outputs[0].outputs[0]
+        text += completion.text
+        tokens += [p[t].decoded_token for t, p in zip(completion.token_ids, completion.logprobs, strict=True)]
+        pos += len(step)
+    assert text == " park with her mom. 日本" == _in_context(tok, prompt, ids[:-1])
+    words = tok.convert_ids_to_tokens(tok.encode("park with her mom.", add_special_tokens=False))
+    assert "".join(tokens[:-1]) == text and tokens[: len(words)] == [w.replace("▁", " ") for w in words]
+    assert tokens[0] == " p" and tokens[3] == " with"  # "▁p" "ar" "k" "▁with": spaces kept
+    assert tokens[-1] == "</s>"  # the EOS text is not in the completion: its text alone
+    # Byte-fallback tokens of "日本": the last byte of each character carries it, the others add "".
+    assert tokens[-7:-1] == ["", "", "日", "", "", "本"]
+    alternatives = {lp.decoded_token for sampled, p in zip(ids, positions, strict=True)
+                    for t, lp in p.items() if t != sampled}
+    assert alternatives == {" there", ",", "</s>"}
+
+
+def test_prompt_context_for_bos_only_and_empty_prompts(stories_tok):
+    tok = stories_tok
+    ids = _story_ids(tok, "Once upon a time")
+    for prompt, skip, expected in [([1], True, "Once upon a time"), ([], True, "Once upon a time"),
+                                   ([1], False, " Once upon a time"), ([1, 403, 407], True, " Once upon a time")]:
+        proc = OutputProcessor(tok)
+        _add(proc, params=SamplingParams(skip_special_tokens=skip), kind="delta", prompt_ids=prompt)
+        deltas = [r.request_outputs[0].outputs[0].text for r in _run(proc, "r", ids, [1])]
+        assert "".join(deltas) == expected == _in_context(tok, prompt, ids, skip), (prompt, skip)
+
+
+def test_prompt_ending_inside_a_character(bytelevel_tok):
+    tok = bytelevel_tok
+    full = tok.encode("Hé wö 日本 🎉 x", add_special_tokens=False)
+    cuts = [k for k in range(1, len(full)) if tok.decode(full[:k]).endswith("\ufffd")]
+    assert cuts
+    for k in cuts:
+        prompt, ids = full[:k], full[k:]
+        start = len(tok.decode(prompt).rstrip("\ufffd"))  # the cut character is shown whole in the output
+        proc = OutputProcessor(tok)
+        _add(proc, kind="delta", prompt_ids=prompt)
+        deltas = [r.request_outputs[0].outputs[0].text for r in _run(proc, "r", ids, [1])]
+        assert "".join(deltas) == tok.decode(full)[start:] and "\ufffd" not in "".join(deltas), k
+        proc = OutputProcessor(tok)  # nothing generated but EOS: the prompt's bytes are not output
+        _add(proc, prompt_ids=prompt)
+        out = proc.process_outputs([EngineCoreOutput("r", [0], finish_reason="stop")])
+        assert out.request_outputs[0].outputs[0].text == ""
+        proc = OutputProcessor(tok)  # the character is never completed: only the output's text
+        _add(proc, prompt_ids=prompt)
+        x = tok.encode(" x", add_special_tokens=False)
+        assert _run(proc, "r", x, [1])[-1].request_outputs[0].outputs[0].text == " x" == _in_context(tok, prompt, x)
 
 
 def test_abort_by_parent_or_child(stories_tok):

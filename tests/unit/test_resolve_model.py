@@ -127,3 +127,14 @@ def test_default_model_is_smollm2_and_answers_paris(tmp_path, monkeypatch):
     monkeypatch.setattr(resolve, "convert_gguf", lambda *a, **k: pytest.fail("the cache was not reused"))
     assert resolve_model_path(None, cache_dir=str(tmp_path)) == folder
     assert (folder / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+@pytest.mark.parametrize("content", [b"garbage\n", b"GGUF" + b"\x03\x00\x00\x00" + b"\x00" * 7])
+def test_corrupt_gguf_names_the_file(tmp_path, content):
+    from tandem.models.gguf_convert import CorruptGGUFError
+
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(content)
+    with pytest.raises(CorruptGGUFError, match="broken.gguf is not a readable GGUF file"):
+        resolve_model_path(str(bad), cache_dir=str(tmp_path / "cache"), progress=False)
+    assert not any((tmp_path / "cache").rglob("model.safetensors"))

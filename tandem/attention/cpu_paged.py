@@ -1,0 +1,86 @@
+"""Fast CPU paged attention: the C++ kernel reads the KV cache in place for short rows (decode,
+speculative verification, small chunks); long prompt rows use PyTorch's fused SDPA.
+
+Per layer and step: one kernel call stores this step's K/V and attends every row with at most
+``max_query_len`` query tokens (online softmax over the row's blocks, no gather, memory independent
+of the context). A row with more query tokens runs ``F.scaled_dot_product_attention``: directly on
+its new q/k/v when nothing of it is cached (``is_causal``), else on its context gathered through
+the block table (as the reference does). Results match ``TorchRefAttention`` (tests/unit).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tandem import kernels
+from tandem.attention.metadata import AttentionMetadata
+from tandem.attention.torch_ref import gather_context
+
+_LongRow = tuple[int, int, int, int, int]  # (row, start, end, num_computed, seq_len)
+
+
+class CpuPagedAttention:
+    """Paged attention backend over Tandem's C++ kernel; requires ``kernels.available()``.
+
+    Args:
+        max_query_len: rows with more query tokens than this go to SDPA (prompt chunks).
+
+    The per-step row plan (which rows are long) is computed on the first layer's call and reused by
+    the other layers of that step (keyed by the identity of the step's ``AttentionMetadata``).
+    """
+
+    def __init__(self, max_query_len: int = 16) -> None:
+        self.max_query_len = max_query_len
+        self._meta: AttentionMetadata | None = None
+        self._long_rows: list[_LongRow] = []
+
+    def _plan(self, meta: AttentionMetadata) -> list[_LongRow]:
+        if meta is not self._meta:
+            starts = meta.query_start_loc.tolist()
+            computed = meta.num_computed.tolist()
+            seq_lens = meta.seq_lens.tolist()
+            self._long_rows = [
+                (r, starts[r], starts[r + 1], computed[r], seq_lens[r])
+                for r in range(len(seq_lens))
+                if starts[r + 1] - starts[r] > self.max_query_len
+            ]
+            self._meta = meta
+        return self._long_rows
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """``q [T, H, D]``, ``k, v [T, KV, D]``, caches ``[N, B, KV, D]`` -> ``[T, H, D]``.
+
+        Changes: writes this step's k/v into the caches at ``meta.slot_mapping``.
+        """
+        out = torch.empty(q.shape, dtype=q.dtype)
+        kernels.paged_attention(out, q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
+                                meta.seq_lens, meta.query_start_loc, scale, self.max_query_len)
+        for r, start, end, computed, seq_len in self._plan(meta):
+            query = q[start:end].transpose(0, 1)  # [H, n, D]
+            if computed == 0:
+                keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+                mask, causal = None, True
+            else:
+                keys = gather_context(k_cache, meta.block_tables[r], seq_len).transpose(0, 1)
+                values = gather_context(v_cache, meta.block_tables[r], seq_len).transpose(0, 1)
+                query_pos = computed + torch.arange(end - start)
+                mask, causal = torch.arange(seq_len)[None, :] <= query_pos[:, None], False
+            attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal,
+                                                  scale=scale, enable_gqa=keys.shape[0] != query.shape[0])
+            out[start:end] = attn.transpose(0, 1)
+        return out
+
+
+def supports(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether ``CpuPagedAttention`` can serve this model here (kernels built, bf16/fp32, D <= 256)."""
+    return dtype in (torch.bfloat16, torch.float32) and head_dim <= 256 and kernels.available()

@@ -1,0 +1,110 @@
+"""Tandem's own CPU kernels (AVX-512 BF16 C++, built just in time; see ``build.py``).
+
+Each wrapper takes the same tensors as its PyTorch reference and must only be called when
+``available()`` is true; callers keep the PyTorch path as the fallback.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.kernels.build import load_extension, unsupported_reason
+
+__all__ = [
+    "available", "linear_bf16", "linear_int4", "linear_int8", "paged_attention", "rms_norm", "rotary",
+    "silu_and_mul", "unsupported_reason",
+]
+
+# Largest token count the bf16 GEMV/GEMM kernel handles; above it oneDNN's GEMM (F.linear) is faster.
+LINEAR_MAX_TOKENS = 16
+
+
+def available() -> bool:
+    """True when the compiled kernels are loaded (builds them on the first call)."""
+    return load_extension() is not None
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K].T (+ bias [N])`` -> ``[M, N]``, all bf16, fp32 accumulation.
+
+    Reads ``weight`` row by row in place (streaming, ``vdpbf16ps``); meant for small M (decode).
+    Matches ``F.linear`` up to fp32 summation order and the final bf16 rounding.
+
+    Raises:
+        RuntimeError: wrong dtypes or shapes (raised by the kernel).
+    """
+    return load_extension().linear_bf16(x, weight, bias)
+
+
+def linear_int8(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x [M, K] bf16 @ (qweight [N, K] int8 * scale [N, 1] fp32).T (+ bias)`` -> ``[M, N]`` bf16.
+
+    Per-output-channel symmetric int8 (``tandem.models.quant``); exact products, fp32 accumulation.
+    """
+    return load_extension().linear_int8(x, qweight, scale, bias)
+
+
+def linear_int4(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x [M, K] bf16 @ dequant(qweight [N, K/2] uint8, scale [N, K/32] fp16).T (+ bias)`` -> ``[M, N]``.
+
+    Group-wise (32) symmetric int4 in llama.cpp Q4_0's nibble layout (``tandem.models.quant``).
+
+    Raises:
+        RuntimeError: K is not a multiple of 32, or wrong dtypes/shapes (raised by the kernel).
+    """
+    return load_extension().linear_int4(x, qweight, scale, bias)
+
+
+def paged_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+) -> None:
+    """Paged causal attention read from the cache in place (online softmax); bf16 or fp32.
+
+    Writes ``k, v [T, KV, D]`` into ``k_cache, v_cache [N, B, KV, D]`` at ``slot_mapping [T]``
+    (int64), then fills ``out [T, H, D]`` for every row whose query count is in
+    ``1 .. max_query_len``; other rows of ``out`` are left for the caller. ``block_tables [R, M]``,
+    ``seq_lens [R]``, ``query_start_loc [R + 1]`` are int32 (``AttentionMetadata``). ``q``, ``k``,
+    ``v``, ``out`` need contiguous heads but may have any token stride. ``head_dim`` <= 256.
+
+    Raises:
+        RuntimeError: mismatched dtypes, shapes or layouts (raised by the kernel).
+    """
+    load_extension().paged_attention(
+        out, q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, max_query_len
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` over the last dim of ``x [R, dim]``.
+
+    Rounds where transformers' ``LlamaRMSNorm`` rounds (bf16 before the weight multiply).
+    """
+    return load_extension().rms_norm(x, weight, eps)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: ``x * cos + rotate_half(x) * sin`` for ``x [T, H, D]``, ``cos, sin [T, 1, D]``.
+
+    Returns a new contiguous tensor; ``x`` may be a strided view (heads contiguous).
+    """
+    return load_extension().rotary(x, cos, sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[:, :d]) * x[:, d:]`` for ``x [R, 2d]`` -> ``[R, d]``."""
+    return load_extension().silu_and_mul(x)

@@ -1,0 +1,25 @@
+// Python bindings of Tandem's CPU kernels (see tandem/kernels/__init__.py for shapes and semantics).
+#include <torch/extension.h>
+
+at::Tensor linear_bf16(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache,
+                     at::Tensor v_cache, at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
+                     at::Tensor query_start_loc, double scale, int64_t max_query_len);
+at::Tensor linear_int8(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::optional<at::Tensor> bias);
+at::Tensor linear_int4(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::optional<at::Tensor> bias);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin);
+at::Tensor silu_and_mul(at::Tensor x);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_bf16", &linear_bf16, "y = x @ w.T (+ bias), bf16, AVX-512 BF16", py::arg("x"), py::arg("w"),
+        py::arg("bias") = py::none());
+  m.def("linear_int8", &linear_int8, "y = x @ (q * scale).T (+ bias), int8 per-channel weights", py::arg("x"),
+        py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none());
+  m.def("linear_int4", &linear_int4, "y = x @ (q * scale).T (+ bias), int4 group-32 weights", py::arg("x"),
+        py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none());
+  m.def("paged_attention", &paged_attention, "write K/V into the paged cache, attend for short rows");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim of [R, dim]");
+  m.def("rotary", &rotary, "rotate-half rotary embedding of [T, H, D]");
+  m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]");
+}

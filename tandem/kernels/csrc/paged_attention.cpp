@@ -1,0 +1,194 @@
+// Paged attention over the KV cache in place (no gather), online softmax, bf16 or fp32.
+//
+// For each (row, KV head) a thread walks the row's block table 16 keys at a time. Every query of
+// the row for the heads sharing that KV head (grouped-query attention, Ainslie et al. 2023) keeps a
+// running max m, normaliser l and fp32 accumulator; each chunk of keys updates them with the online
+// softmax of Milakov & Gimelshein 2018 ("Online normalizer calculation for softmax"), as in
+// FlashAttention / flash-decoding: m' = max(m, max s), l' = l e^(m - m') + sum e^(s - m'),
+// acc' = acc e^(m - m') + sum e^(s - m') v. Query i of a row sits at position
+// seq_len - n + i and sees keys 0..that position (causal). Memory per thread is O(queries x D),
+// independent of the context length; each K and V row is read once per (row, KV head).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "vec.h"
+
+namespace {
+
+using tandem::exp16;
+using tandem::lane_mask;
+using tandem::load16;
+using tandem::store16;
+
+struct Geometry {
+  int64_t num_kv, group, head_dim, block_size, chunks;  // chunks: ceil(head_dim / 16)
+  int64_t q_stride, out_stride;                          // elements between consecutive tokens
+  float scale;
+};
+
+template <typename T>
+void attend_row_head(const Geometry& g, const T* q, const T* kc, const T* vc, const int32_t* table,
+                     int64_t seq_len, int64_t n, int64_t kv_head, T* out, std::vector<float>& buf) {
+  const int64_t D = g.head_dim, Dp = g.chunks * 16, nq = n * g.group;
+  const __mmask16 tail = lane_mask(D - 16 * (g.chunks - 1));
+  buf.assign(nq * (2 * Dp + 16 + 2), 0.0f);
+  float* qf = buf.data();        // [nq, Dp] scaled queries
+  float* acc = qf + nq * Dp;     // [nq, Dp]
+  float* s = acc + nq * Dp;      // [nq, 16] scores, then probabilities, of the current chunk
+  float* m = s + nq * 16;        // [nq]
+  float* l = m + nq;             // [nq]
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < g.group; ++h) {
+      const T* src = q + i * g.q_stride + (kv_head * g.group + h) * D;
+      float* dst = qf + (i * g.group + h) * Dp;
+      for (int64_t c = 0; c < g.chunks; ++c) {
+        __m512 x = load16(src + 16 * c, c + 1 == g.chunks ? tail : (__mmask16)0xFFFF);
+        _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(x, _mm512_set1_ps(g.scale)));
+      }
+      m[i * g.group + h] = -std::numeric_limits<float>::infinity();
+    }
+  const int64_t first_pos = seq_len - n;
+  const int64_t row_elems = g.num_kv * D;
+  for (int64_t j0 = 0; j0 < seq_len;) {
+    const int64_t off = j0 % g.block_size;
+    const int64_t cnt = std::min<int64_t>({16, g.block_size - off, seq_len - j0});
+    const int64_t base = (static_cast<int64_t>(table[j0 / g.block_size]) * g.block_size + off) * row_elems +
+                         kv_head * D;
+    for (int64_t jj = 0; jj < cnt; ++jj) {  // scores s[q, jj] = q . k_j
+      const T* kp = kc + base + jj * row_elems;
+      __m512 kr[16];
+      for (int64_t c = 0; c < g.chunks; ++c) kr[c & 15] = load16(kp + 16 * c, c + 1 == g.chunks ? tail : 0xFFFF);
+      for (int64_t x = 0; x < nq; ++x) {
+        const float* qx = qf + x * Dp;
+        __m512 d = _mm512_mul_ps(_mm512_loadu_ps(qx), kr[0]);
+        for (int64_t c = 1; c < g.chunks; ++c) d = _mm512_fmadd_ps(_mm512_loadu_ps(qx + 16 * c), kr[c & 15], d);
+        s[x * 16 + jj] = _mm512_reduce_add_ps(d);
+      }
+    }
+    for (int64_t x = 0; x < nq; ++x) {  // online softmax update of query x
+      const int64_t visible = std::min<int64_t>(cnt, first_pos + x / g.group + 1 - j0);
+      if (visible <= 0) {
+        _mm512_storeu_ps(s + x * 16, _mm512_setzero_ps());
+        continue;
+      }
+      const __mmask16 vm = lane_mask(visible);
+      __m512 sv = _mm512_maskz_loadu_ps(vm, s + x * 16);
+      const float m_new = std::max(m[x], _mm512_mask_reduce_max_ps(vm, sv));
+      const float alpha = std::isinf(m[x]) ? 0.0f : std::exp(m[x] - m_new);
+      __m512 p = _mm512_maskz_mov_ps(vm, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(m_new))));
+      _mm512_storeu_ps(s + x * 16, p);
+      l[x] = l[x] * alpha + _mm512_reduce_add_ps(p);
+      m[x] = m_new;
+      if (alpha != 1.0f) {
+        float* ax = acc + x * Dp;
+        for (int64_t c = 0; c < g.chunks; ++c)
+          _mm512_storeu_ps(ax + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(ax + 16 * c), _mm512_set1_ps(alpha)));
+      }
+    }
+    for (int64_t jj = 0; jj < cnt; ++jj) {  // acc[q] += p[q, jj] * v_j
+      const T* vp = vc + base + jj * row_elems;
+      __m512 vr[16];
+      for (int64_t c = 0; c < g.chunks; ++c) vr[c & 15] = load16(vp + 16 * c, c + 1 == g.chunks ? tail : 0xFFFF);
+      for (int64_t x = 0; x < nq; ++x) {
+        const float p = s[x * 16 + jj];
+        if (p == 0.0f) continue;
+        float* ax = acc + x * Dp;
+        const __m512 pv = _mm512_set1_ps(p);
+        for (int64_t c = 0; c < g.chunks; ++c)
+          _mm512_storeu_ps(ax + 16 * c, _mm512_fmadd_ps(pv, vr[c & 15], _mm512_loadu_ps(ax + 16 * c)));
+      }
+    }
+    j0 += cnt;
+  }
+  for (int64_t x = 0; x < nq; ++x) {
+    const int64_t i = x / g.group, h = kv_head * g.group + x % g.group;
+    T* dst = out + i * g.out_stride + h * D;
+    const __m512 inv = _mm512_set1_ps(l[x] > 0.0f ? 1.0f / l[x] : 0.0f);
+    for (int64_t c = 0; c < g.chunks; ++c)
+      store16(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + x * Dp + 16 * c), inv),
+              c + 1 == g.chunks ? tail : (__mmask16)0xFFFF);
+  }
+}
+
+void check_tokens(const at::Tensor& t, const char* name, int64_t heads, int64_t D) {
+  TORCH_CHECK(t.dim() == 3 && t.size(1) == heads && t.size(2) == D && t.stride(2) == 1 && t.stride(1) == D,
+              "paged_attention: ", name, " must be [T, ", heads, ", ", D, "] with contiguous heads");
+}
+
+template <typename T>
+void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+         at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& seq_lens,
+         const at::Tensor& qsl, const Geometry& g, int64_t max_query_len) {
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const int64_t row_elems = g.num_kv * g.head_dim, num_tokens = q.size(0);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {  // store this step's K/V at their slots first
+    std::memcpy(kc + slot[t] * row_elems, k.data_ptr<T>() + t * k.stride(0), row_elems * sizeof(T));
+    std::memcpy(vc + slot[t] * row_elems, v.data_ptr<T>() + t * v.stride(0), row_elems * sizeof(T));
+  }
+  const int32_t* starts = qsl.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tab = tables.data_ptr<int32_t>();
+  const int64_t rows = seq_lens.size(0), table_stride = tables.stride(0);
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows * g.num_kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t r = w / g.num_kv, head = w % g.num_kv, n = starts[r + 1] - starts[r];
+      if (n == 0 || n > max_query_len) continue;
+      attend_row_head<T>(g, qp + starts[r] * g.q_stride, kc, vc, tab + r * table_stride, lens[r], n, head,
+                         op + starts[r] * g.out_stride, buf);
+    }
+  });
+}
+
+}  // namespace
+
+// Writes k, v [T, KV, D] into k_cache, v_cache [N, B, KV, D] at slot_mapping [T] (int64), then for
+// every row r with 1 <= n_r <= max_query_len query tokens writes out[T, H, D] (rows with more query
+// tokens are left untouched for the caller). block_tables [R, M], seq_lens [R], query_start_loc [R+1]
+// are int32. q, k, v, out may have a token stride (views of a fused QKV output).
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache,
+                     at::Tensor v_cache, at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
+                     at::Tensor query_start_loc, double scale, int64_t max_query_len) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "paged_attention: bf16 or fp32 only");
+  for (const at::Tensor* t : {&out, &k, &v, &k_cache, &v_cache})
+    TORCH_CHECK(t->scalar_type() == dtype, "paged_attention: all tensors must share q's dtype");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes(), "paged_attention: caches must be contiguous [N, B, KV, D]");
+  Geometry g{};
+  g.num_kv = k_cache.size(2);
+  g.head_dim = k_cache.size(3);
+  g.block_size = k_cache.size(1);
+  TORCH_CHECK(g.head_dim <= 256, "paged_attention: head_dim > 256 is not supported");
+  TORCH_CHECK(q.size(1) % g.num_kv == 0, "paged_attention: heads must be a multiple of KV heads");
+  g.group = q.size(1) / g.num_kv;
+  g.chunks = (g.head_dim + 15) / 16;
+  check_tokens(q, "q", q.size(1), g.head_dim);
+  check_tokens(out, "out", q.size(1), g.head_dim);
+  check_tokens(k, "k", g.num_kv, g.head_dim);
+  check_tokens(v, "v", g.num_kv, g.head_dim);
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == q.size(0),
+              "paged_attention: slot_mapping must be int64 [T]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt, "paged_attention: metadata must be int32");
+  g.q_stride = q.stride(0);
+  g.out_stride = out.stride(0);
+  g.scale = static_cast<float>(scale);
+  auto slots = slot_mapping.contiguous();
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto qsl = query_start_loc.contiguous();
+  if (dtype == at::kBFloat16)
+    run<c10::BFloat16>(out, q, k, v, k_cache, v_cache, slots, tables, lens, qsl, g, max_query_len);
+  else
+    run<float>(out, q, k, v, k_cache, v_cache, slots, tables, lens, qsl, g, max_query_len);
+}

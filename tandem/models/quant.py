@@ -1,0 +1,134 @@
+"""Weight-only quantization of a loaded model's linear layers: ``int8`` and ``int4``.
+
+Activations stay in the model dtype; only the weights of the linear layers are stored quantized
+(decode reads every weight once per token, so fewer bytes per weight is proportionally faster):
+  int8  symmetric per output channel: ``q = round(w / s)``, ``s = max|w_row| / 127``, q in [-127, 127].
+  int4  symmetric per group of 32 weights of a row, llama.cpp Q4_0's scheme and layout: ``d = m / -8``
+        where m is the group's value of largest magnitude, ``q = clamp(round(w / d), -8, 7)``, d stored
+        as fp16; byte j of a group holds ``(q_j + 8) | (q_{j+16} + 8) << 4``. Layers whose input size
+        is not a multiple of 32, and the LM head (whose errors go straight into the logits, which is
+        why llama.cpp keeps its output tensor at higher precision too), use int8.
+The C++ kernels (``tandem.kernels.linear_int8/int4``) multiply bf16 activations with these formats at
+decode sizes; larger batches (prefill) and other dtypes dequantize the weight and use ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem import kernels
+from tandem.models.layers import Linear
+
+METHODS = ("int8", "int4")
+GROUP = 32
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [N, K]`` -> (``q [N, K]`` int8, ``scale [N]`` fp32), per-row symmetric."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Float32 ``[N, K]`` weights of an int8 layer."""
+    return q.float() * scale[:, None]
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [N, K]`` (K % 32 == 0) -> (``packed [N, K/2]`` uint8, ``scale [N, K/32]`` fp16).
+
+    Raises:
+        ValueError: K is not a multiple of 32.
+    """
+    n, k = weight.shape
+    if k % GROUP:
+        raise ValueError(f"int4 needs an input size that is a multiple of {GROUP}, got {k}")
+    w = weight.float().view(n, k // GROUP, GROUP)
+    idx = w.abs().argmax(dim=2, keepdim=True)
+    d = (torch.gather(w, 2, idx) / -8.0).squeeze(2).half()  # NOTE: round d first, then q against it
+    d_f = d.float()
+    inv = torch.where(d_f != 0, 1.0 / d_f, torch.zeros_like(d_f))
+    q = torch.round(w * inv[..., None]).clamp_(-8, 7).to(torch.int16) + 8  # [n, groups, 32] in 0..15
+    packed = (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8)
+    return packed.view(n, k // 2), d
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Float32 ``[N, K]`` weights of an int4 layer (inverse of ``quantize_int4`` up to rounding)."""
+    n = packed.shape[0]
+    b = packed.view(n, -1, GROUP // 2).to(torch.int16)
+    q = torch.cat([b & 0xF, b >> 4], dim=2).float() - 8.0  # [n, groups, 32]
+    return (q * scale.float()[..., None]).view(n, -1)
+
+
+class QuantizedLinear(nn.Module):
+    """A ``Linear`` with int8 or int4 weights (buffers ``qweight``, ``scale``); bias kept as is.
+
+    ``forward(x [T, K]) -> [T, N]`` in ``x``'s dtype.
+    """
+
+    def __init__(self, linear: Linear, method: str) -> None:
+        super().__init__()
+        if method not in METHODS:
+            raise ValueError(f"quantization must be one of {METHODS}, got {method!r}")
+        weight = linear.weight.detach()
+        self.output_sizes, self.shard_names = linear.output_sizes, linear.shard_names
+        self.in_features = weight.shape[1]
+        self.method = "int4" if method == "int4" and self.in_features % GROUP == 0 else "int8"
+        quantize = quantize_int4 if self.method == "int4" else quantize_int8
+        qweight, scale = quantize(weight)
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+        self.bias = linear.bias
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight ``[N, K]`` as ``dtype`` (the PyTorch path and the kernels' oracle)."""
+        dequantize = dequantize_int4 if self.method == "int4" else dequantize_int8
+        return dequantize(self.qweight, self.scale).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= kernels.LINEAR_MAX_TOKENS
+                and (self.bias is None or self.bias.dtype == torch.bfloat16) and kernels.available()):
+            op = kernels.linear_int4 if self.method == "int4" else kernels.linear_int8
+            return op(x, self.qweight, self.scale, self.bias)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantized(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.qweight.shape[0]}, method={self.method}"
+
+
+def quantize_model(model: nn.Module, method: str) -> nn.Module:
+    """Replace every ``Linear`` of ``model`` with a ``QuantizedLinear`` (int4 uses int8 for the LM head).
+
+    Changes: ``model``'s modules in place; the float weights of replaced layers are freed, except a
+    tied LM head's, which is the embedding table and stays (lookups read one row of it per token).
+    Returns ``model``.
+
+    Raises:
+        ValueError: an unknown ``method``.
+    """
+    if method not in METHODS:
+        raise ValueError(f"quantization must be one of {METHODS}, got {method!r}")
+    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, Linear)]
+    for name, module in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        layer_method = "int8" if name.endswith("lm_head") else method
+        with torch.no_grad():
+            setattr(parent, attr, QuantizedLinear(module, layer_method))
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters and buffers a decode step reads (embedding table excluded), for reports."""
+    total = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if "embed_tokens" not in name and "rotary" not in name:
+            total += t.numel() * t.element_size()
+    return total

@@ -1,0 +1,160 @@
+"""Tandem's C++ CPU kernels against their PyTorch references (random inputs, odd sizes included).
+
+Error bounds (why each tolerance is what it is):
+  linear_bf16      vs an fp32 GEMM of the same bf16 inputs: the output's bf16 rounding (half an ulp,
+                   <= 2^-8 relative) plus fp32 summation-order error (<= 1e-5 of sum |x||w|).
+  paged_attention  fp32: 1e-5 (exp polynomial < 2e-7 relative, summation order); bf16: vs the fp32
+                   attention of the same bf16 values, one bf16 rounding of the output (2^-8 relative).
+                   The caches must equal the reference's bit for bit.
+  rms_norm, rotary, silu_and_mul reproduce PyTorch's intermediate bf16 roundings: they must match
+                   exactly except where an fp32 last-bit difference flips a bf16 rounding (<= 1 bf16
+                   ulp, on under 2% of elements); fp32 within 1e-6 relative.
+Skips the whole module when the kernels cannot be built or run here (see tandem.kernels.build).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem import kernels
+from tandem.attention import AttentionMetadata, TorchRefAttention
+from tandem.models.layers import RMSNorm, SiluAndMul, apply_rotary
+
+pytestmark = pytest.mark.skipif(
+    not kernels.available(), reason=f"Tandem CPU kernels unavailable: {kernels.unsupported_reason()}"
+)
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 1), (1, 7, 33), (3, 129, 257), (4, 64, 896), (5, 13, 31),
+                                           (16, 37, 100), (2, 1001, 2048), (17, 9, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_bf16_matches_fp32_gemm(m: int, n: int, k: int, bias: bool) -> None:
+    g = gen(m * 1000 + n)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    y = kernels.linear_bf16(x, w, b)
+    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    bound = 2**-8 * ref.abs() + 1e-5 * (x.float().abs() @ w.float().abs().T) + 1e-6
+    assert ((y.float() - ref).abs() <= bound).all()
+
+
+def test_linear_bf16_accepts_a_strided_input_and_rejects_bad_shapes() -> None:
+    g = gen(1)
+    x = torch.randn(3, 64, generator=g).bfloat16()[:, :48]  # non-contiguous rows
+    w = torch.randn(5, 48, generator=g).bfloat16()
+    ref = F.linear(x.float(), w.float())
+    assert ((kernels.linear_bf16(x, w).float() - ref).abs() <= 2**-8 * ref.abs() + 1e-4).all()
+    with pytest.raises(RuntimeError, match="disagree on K"):
+        kernels.linear_bf16(x, torch.zeros(5, 47, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bf16 only"):
+        kernels.linear_bf16(x.float(), w.float())
+
+
+def make_step(heads: int, kv: int, d: int, block: int, dtype: torch.dtype, seed: int):
+    """Random cache prefixes + one step's rows: decode, 1-token prompt, chunk after prefix, full prefill."""
+    g = gen(seed)
+    seq_lens, computed = [9, 1, 37, 6, 20, 3], [8, 0, 30, 5, 0, 2]
+    num_blocks = sum(-(-n // block) for n in seq_lens) + 3
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[free.pop() for _ in range(-(-n // block))] for n in seq_lens]
+    caches = [torch.zeros(num_blocks, block, kv, d, dtype=dtype) for _ in range(2)]
+    prefix = AttentionMetadata.build([0] * len(seq_lens), computed, tables, block)
+    total_prefix = sum(computed)
+    for c in caches:
+        c.view(-1, kv, d).index_copy_(0, prefix.slot_mapping, torch.randn(total_prefix, kv, d, generator=g).to(dtype))
+    new = [n - c for n, c in zip(seq_lens, computed, strict=True)]
+    meta = AttentionMetadata.build(computed, new, tables, block)
+    t = sum(new)
+    q, k, v = (torch.randn(t, h, d, generator=g).to(dtype) for h in (heads, kv, kv))
+    return q, k, v, caches, meta
+
+
+@pytest.mark.parametrize(("heads", "kv", "d", "block"), [(4, 2, 8, 4), (14, 2, 64, 16), (8, 8, 80, 16),
+                                                         (6, 2, 128, 32), (7, 1, 24, 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_matches_reference(heads: int, kv: int, d: int, block: int, dtype: torch.dtype) -> None:
+    q, k, v, (kc, vc), meta = make_step(heads, kv, d, block, dtype, seed=heads * d + block)
+    scale = d**-0.5
+    ref_kc, ref_vc = kc.clone().float(), vc.clone().float()
+    expected = TorchRefAttention()(q.float(), k.float(), v.float(), ref_kc, ref_vc, meta, scale)
+    out = torch.full_like(q, float("nan"))
+    kernels.paged_attention(out, q, k, v, kc, vc, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                            meta.query_start_loc, scale, 1 << 30)
+    assert torch.equal(kc.float(), ref_kc) and torch.equal(vc.float(), ref_vc)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    else:
+        assert ((out.float() - expected).abs() <= 2**-8 * expected.abs() + 1e-5).all()
+
+
+def test_paged_attention_leaves_long_rows_and_reads_strided_views() -> None:
+    heads, kv, d = 4, 2, 16
+    q, k, v, (kc, vc), meta = make_step(heads, kv, d, 4, torch.float32, seed=3)
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)  # a fused projection's output
+    qv, kv_, vv = qkv.split([heads * d, kv * d, kv * d], dim=1)
+    qv, kv_, vv = qv.view(-1, heads, d), kv_.view(-1, kv, d), vv.view(-1, kv, d)
+    expected = TorchRefAttention()(q, k, v, kc.clone(), vc.clone(), meta, 0.25)
+    out = torch.full_like(q, float("nan"))
+    kernels.paged_attention(out, qv, kv_, vv, kc, vc, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                            meta.query_start_loc, 0.25, 2)
+    starts = meta.query_start_loc.tolist()
+    for r in range(meta.num_reqs):
+        rows = slice(starts[r], starts[r + 1])
+        if starts[r + 1] - starts[r] <= 2:
+            torch.testing.assert_close(out[rows], expected[rows], rtol=1e-5, atol=1e-5)
+        else:
+            assert out[rows].isnan().all()
+
+
+def assert_matches_rounding(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal, except <= 1 bf16 ulp on < 2% of elements (bf16); 1e-6 relative (fp32)."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+        return
+    diff = (actual.float() - expected.float()).abs()
+    assert (diff <= 2**-7 * expected.float().abs() + 1e-30).all()
+    assert (diff > 0).float().mean() < 0.02
+
+
+@pytest.mark.parametrize("dim", [8, 17, 64, 896])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_layer(dim: int, dtype: torch.dtype) -> None:
+    g = gen(dim)
+    norm = RMSNorm(dim, 1e-6, dtype)
+    norm.weight.data.copy_(1 + 0.3 * torch.randn(dim, generator=g))
+    x = (3 * torch.randn(5, dim, generator=g)).to(dtype)
+    assert_matches_rounding(kernels.rms_norm(x, norm.weight, 1e-6), norm(x))
+
+
+@pytest.mark.parametrize(("heads", "d"), [(4, 8), (14, 64), (3, 34), (2, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_matches_apply_rotary(heads: int, d: int, dtype: torch.dtype) -> None:
+    g = gen(heads * d)
+    t = 6
+    qk = torch.randn(t, 2 * heads * d, generator=g).to(dtype)
+    x = qk[:, : heads * d].view(t, heads, d)  # a strided view, as from a fused projection
+    angles = torch.rand(t, 1, d // 2, generator=g) * 100
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
+    expected, _ = apply_rotary(x, x, cos, sin)
+    assert_matches_rounding(kernels.rotary(x, cos, sin), expected)
+
+
+@pytest.mark.parametrize("d", [1, 17, 172, 4864])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_layer(d: int, dtype: torch.dtype) -> None:
+    x = (4 * torch.randn(3, 2 * d, generator=gen(d))).to(dtype)
+    actual, expected = kernels.silu_and_mul(x), SiluAndMul()(x)
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+    else:
+        assert_matches_rounding(actual, expected)

@@ -1,0 +1,146 @@
+"""Weight-only int8 / int4 quantization: formats, kernels vs the dequantized oracle, model accuracy.
+
+Bounds:
+  int8 round trip  |w - q s| <= s / 2 per row (round to nearest; nothing clips at 127 = max / s).
+  int4 round trip  |w - q d| <= |d| per group (half a step, or one step where +8|d| clips to 7).
+  kernels          vs fp32 ``x @ dequant(w).T``: the output's bf16 rounding (2^-8 relative) plus
+                   fp32 summation error; int4 also rounds each dequantized weight to bf16
+                   (2^-9 relative), hence an extra 2^-9 * (|x| @ |w|.T).
+  model            stories260K (real weights): bf16 + int8/int4 logits vs float32 weights along a greedy
+                   continuation; thresholds are the measured values with margin (see the test).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem import kernels
+from tandem.config import ConfigError, ModelConfig
+from tandem.models.layers import Linear
+from tandem.models.quant import (
+    QuantizedLinear,
+    dequantize_int4,
+    dequantize_int8,
+    quantize_int4,
+    quantize_int8,
+    quantize_model,
+)
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"kernels: {kernels.unsupported_reason()}")
+
+
+def test_int8_round_trip_is_within_half_a_step() -> None:
+    w = torch.randn(37, 45, generator=torch.Generator().manual_seed(0))
+    q, s = quantize_int8(w)
+    assert q.dtype == torch.int8 and s.shape == (37,) and q.abs().max() == 127
+    assert ((w - dequantize_int8(q, s)).abs() <= s[:, None] / 2 + 1e-7).all()
+
+
+def test_int4_packs_like_q4_0_and_round_trips_within_a_step() -> None:
+    q = torch.arange(32) % 16  # stored values 0 .. 15, i.e. q - 8 = -8 .. 7
+    row = 2.0 * (q - 8)  # the value of largest magnitude is -16, so d = -16 / -8 = 2
+    packed, d = quantize_int4(row[None])
+    assert d.dtype == torch.float16 and d.tolist() == [[2.0]]
+    expected = (q[:16] | (q[16:] << 4)).tolist()
+    assert packed.dtype == torch.uint8 and packed[0].tolist() == expected
+    w = torch.randn(9, 96, generator=torch.Generator().manual_seed(1))
+    packed, d = quantize_int4(w)
+    step = d.float().repeat_interleave(32, dim=1).abs()
+    assert packed.shape == (9, 48) and d.shape == (9, 3)
+    assert ((w - dequantize_int4(packed, d)).abs() <= step * 1.001).all()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_int4(torch.zeros(2, 40))
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.float(), w, None if bias is None else bias.float())
+
+
+@needs_kernels
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 5, 32), (3, 67, 96), (4, 8, 1024), (7, 33, 1056), (16, 129, 2080)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_kernel_matches_dequantized_weights(m: int, n: int, k: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(m * n + k)
+    packed, d = quantize_int4(torch.randn(n, k, generator=g))
+    x = torch.randn(m, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    w = dequantize_int4(packed, d)
+    ref = reference(x, w, b)
+    y = kernels.linear_int4(x, packed, d, b)
+    mag = x.float().abs() @ w.abs().T
+    assert ((y.float() - ref).abs() <= 2**-8 * ref.abs() + 2**-9 * mag + 1e-5 * mag + 1e-6).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 1), (2, 7, 33), (4, 64, 1000), (5, 13, 1031), (16, 37, 2100)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_kernel_matches_dequantized_weights(m: int, n: int, k: int, bias: bool) -> None:
+    g = torch.Generator().manual_seed(m * n + k)
+    q, s = quantize_int8(torch.randn(n, k, generator=g))
+    x = torch.randn(m, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    w = dequantize_int8(q, s)
+    ref = reference(x, w, b)
+    y = kernels.linear_int8(x, q, s, b)
+    mag = x.float().abs() @ w.abs().T
+    assert ((y.float() - ref).abs() <= 2**-8 * ref.abs() + 1e-5 * mag + 1e-6).all()
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_linear_paths_agree_and_replace_every_linear(method: str) -> None:
+    g = torch.Generator().manual_seed(2)
+    layer = Linear(64, [32, 16], True, torch.bfloat16, ("a", "b"))
+    layer.weight.data.copy_(torch.randn(48, 64, generator=g))
+    layer.bias.data.copy_(torch.randn(48, generator=g))
+    model = torch.nn.Sequential(layer, Linear(48, 40, False, torch.bfloat16))
+    model[1].weight.data.copy_(torch.randn(40, 48, generator=g))
+    quantize_model(model, method)
+    assert all(isinstance(m, QuantizedLinear) for m in model)
+    assert model[0].method == method and model[1].method == "int8"  # 48 is not a multiple of 32
+    assert model[0].output_sizes == [32, 16] and model[0].shard_names == ("a", "b")
+    x = torch.randn(20, 64, generator=g).bfloat16()
+    small, large = model[0](x[:3]), model[0](x)[:3]  # 3 tokens: kernel; 20: dequantize + F.linear
+    w = model[0].dequantized(torch.float32)
+    ref = reference(x[:3], w, model[0].bias)
+    bound = 2**-8 * ref.abs() + 2**-8 * (x[:3].float().abs() @ w.abs().T)  # + bf16 weights on one path
+    assert ((small.float() - ref).abs() <= bound).all() and ((large.float() - ref).abs() <= bound).all()
+
+
+def test_config_rejects_unknown_quantization() -> None:
+    with pytest.raises(ConfigError, match="quantization must be one of"):
+        ModelConfig(quantization="int3")
+
+
+@pytest.fixture(scope="module")
+def stories_logits(stories_dir):
+    """Logits of stories260K at every position of its own float32 greedy continuation (125 tokens):
+    float32 weights (the reference), and bf16 with int8 / int4 weights (the kernels' dtype)."""
+    from tandem import LLM, SamplingParams
+    from tandem.config import CacheConfig, EngineConfig
+    from tandem.worker.model_runner import ModelRunner
+
+    llm = LLM(str(stories_dir), dtype="float32", progress=False)
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=120))[0]
+    tokens = out.prompt_token_ids + list(out.outputs[0].token_ids)
+    logits = {}
+    for dtype, method in (("float32", None), ("bfloat16", "int8"), ("bfloat16", "int4")):
+        config = EngineConfig(model=ModelConfig(model=str(stories_dir), dtype=dtype, quantization=method),
+                              cache=CacheConfig(num_blocks=16))
+        logits[method] = ModelRunner(stories_dir, config, progress=False).prompt_logits(tokens)
+    return logits
+
+
+# Measured when written: int8 1.0% / 100% / 100%, int4 10% / 86% / 100%.
+@pytest.mark.parametrize(("method", "max_rel", "min_agree"), [("int8", 0.03, 0.95), ("int4", 0.2, 0.75)])
+def test_quantized_stories_logits_stay_close(stories_logits, method: str, max_rel: float, min_agree: float) -> None:
+    """Relative logit error, greedy agreement, and each greedy token within the reference's top 5."""
+    base, quant = stories_logits[None], stories_logits[method]
+    rel = (quant - base).norm() / base.norm()
+    greedy = quant.argmax(-1)
+    agree = (greedy == base.argmax(-1)).float().mean()
+    in_top5 = (torch.topk(base, 5, dim=-1).indices == greedy[:, None]).any(-1).float().mean()
+    assert rel < max_rel, f"{method}: relative logit error {rel:.3f}"
+    assert agree >= min_agree, f"{method}: greedy agreement {agree:.2f}"
+    assert in_top5 >= 0.97, f"{method}: greedy token in the reference top 5 at {in_top5:.2f} of positions"
