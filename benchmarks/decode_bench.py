@@ -6,10 +6,12 @@ Usage (see benchmarks/README.md):
 For each shape (``checkpoints.SHAPES``) it saves a random bf16 checkpoint with transformers, loads
 every backend once, then repeats, backend after backend within each repeat (so machine load hits all
 alike), and reports the median of each metric:
-  decode b1   greedy tokens/s of one sequence: (n - 1) / (t(n tokens) - t(1 token)), prompt 32 tokens
+  decode b1   greedy tokens/s of one sequence after its first token (prompt 32 tokens, n tokens)
   b16 out     output tokens/s of 16 sequences of n tokens, prefill of their 32-token prompts included
-  b16 decode  16 (n - 1) / (t(n) - t(1)) for those 16 sequences
+  b16 decode  16 (n - 1) / (time of the decode steps after the first token) for those 16 sequences
   prefill     prompt tokens/s of one 512-token prompt (time to the first token)
+Tandem's engine core and llama.cpp's eval loop are timed step by step; transformers' generate() as
+t(n) - t(1) (it has no step API), which is noisier.
 llama.cpp (``--llama-cpp``) runs in a persistent worker process of a llama-cpp-python virtualenv that
 this script creates (compiling llama.cpp takes minutes the first time), on GGUF files (BF16, Q8_0)
 written from the same checkpoint.
@@ -35,18 +37,21 @@ from checkpoints import SHAPES, make_checkpoint, weight_bytes, write_gguf  # noq
 
 CACHE = Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem"))
 WORKER = Path(__file__).resolve().parent / "llama_cpp_worker.py"
+# --clock: wall time, or process CPU time (robust to other processes on a shared machine; meaningful
+# with --threads 1 only, since with more threads it also counts spin-waiting).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 class GenerateBackend:
     """Times ``generate(prompts, max_tokens)`` (greedy, EOS ignored) of Tandem or transformers."""
 
-    def __init__(self, name: str, generate) -> None:  # noqa: ANN001
-        self.name, self._generate = name, generate
+    def __init__(self, name: str, generate, clock: str) -> None:  # noqa: ANN001
+        self.name, self._generate, self.clock = name, generate, CLOCKS[clock]
 
     def seconds(self, prompts: list[list[int]], max_tokens: int) -> float:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         self._generate(prompts, max_tokens)
-        return time.perf_counter() - t0
+        return self.clock() - t0
 
     def decode_seconds(self, prompts: list[list[int]], n: int) -> tuple[float, float]:
         """(time of n tokens, time of the n - 1 tokens after the first)."""
@@ -58,22 +63,56 @@ class GenerateBackend:
         return self.seconds([prompt], 1)
 
 
-def tandem_backend(path: Path, threads: int, batch: int, quantization: str | None) -> GenerateBackend:
-    from tandem import LLM, SamplingParams
+class TandemBackend:
+    """Tandem's engine core stepped directly (as the engine process does when serving): the first
+    step prefills every prompt and samples its first token, the others decode. No detokenization."""
 
-    kwargs = {"quantization": quantization} if quantization else {}
-    llm = LLM(model=str(path), dtype="bfloat16", max_model_len=1024, kv_cache_gib=0.25, max_num_seqs=batch,
-              enable_prefix_caching=False, num_threads=threads, progress=False, **kwargs)
+    def __init__(self, path: Path, threads: int, batch: int, quantization: str | None, clock: str) -> None:
+        from tandem import LLM
 
-    def generate(prompts: list[list[int]], max_tokens: int) -> None:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-        assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+        self.clock = CLOCKS[clock]
+        self.name = f"tandem-{quantization}" if quantization else "tandem"
+        kwargs = {"quantization": quantization} if quantization else {}
+        llm = LLM(model=str(path), dtype="bfloat16", max_model_len=1024, kv_cache_gib=0.25, max_num_seqs=batch,
+                  max_num_batched_tokens=2048, enable_prefix_caching=False, num_threads=threads, progress=False,
+                  **kwargs)
+        self.engine = llm.engine
+        self._ids = 0
 
-    return GenerateBackend(f"tandem-{quantization}" if quantization else "tandem", generate)
+    def _add(self, prompts: list[list[int]], n: int) -> None:
+        from tandem.request import Request
+        from tandem.sampling_params import SamplingParams
+
+        params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
+        for p in prompts:
+            self._ids += 1
+            self.engine.add_request(Request(request_id=str(self._ids), prompt_token_ids=p, sampling_params=params,
+                                            max_tokens=n))
+
+    def decode_seconds(self, prompts: list[list[int]], n: int) -> tuple[float, float]:
+        """(time of n tokens per prompt, time of the n - 1 decode steps after the first token)."""
+        self._add(prompts, n)
+        t0 = self.clock()
+        self.engine.step()  # NOTE: all prompts fit the 2048-token budget, so this step prefills them all
+        t1 = self.clock()
+        steps = 0
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+            steps += 1
+        t2 = self.clock()
+        assert steps == n - 1, f"expected {n - 1} decode steps, ran {steps}"
+        return t2 - t0, t2 - t1
+
+    def prefill_seconds(self, prompt: list[int]) -> float:
+        self._add([prompt], 1)
+        t0 = self.clock()
+        self.engine.step()
+        elapsed = self.clock() - t0
+        assert not self.engine.has_unfinished_requests()
+        return elapsed
 
 
-def hf_backend(path: Path, threads: int) -> GenerateBackend:
+def hf_backend(path: Path, threads: int, clock: str) -> GenerateBackend:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
@@ -85,7 +124,7 @@ def hf_backend(path: Path, threads: int) -> GenerateBackend:
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                            min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
 
-    return GenerateBackend("transformers", generate)
+    return GenerateBackend("transformers", generate, clock)
 
 
 def ensure_llama_cpp_venv(venv: Path) -> Path:
@@ -106,11 +145,11 @@ def ensure_llama_cpp_venv(venv: Path) -> Path:
 class LlamaCppBackend:
     """One llama.cpp model in a worker process (see llama_cpp_worker.py)."""
 
-    def __init__(self, name: str, python: Path, gguf_path: Path, threads: int) -> None:
+    def __init__(self, name: str, python: Path, gguf_path: Path, threads: int, clock: str) -> None:
         self.name = name
         self.proc = subprocess.Popen([str(python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True)
-        self._ask({"cmd": "load", "path": str(gguf_path), "threads": threads, "n_ctx": 1024})
+        self._ask({"cmd": "load", "path": str(gguf_path), "threads": threads, "n_ctx": 1024, "clock": clock})
 
     def _ask(self, msg: dict) -> dict:
         self.proc.stdin.write(json.dumps(msg) + "\n")
@@ -155,14 +194,15 @@ def bench_shape(shape: str, args, work: Path) -> dict[str, dict[str, list[float]
     vocab = SHAPES[shape]["vocab_size"]
     backends: list = []
     for q in args.tandem_quant:
-        backends.append(tandem_backend(hf_dir, args.threads, args.batch, None if q == "none" else q))
+        backends.append(TandemBackend(hf_dir, args.threads, args.batch, None if q == "none" else q, args.clock))
     if not args.no_hf:
-        backends.append(hf_backend(hf_dir, args.threads))
+        backends.append(hf_backend(hf_dir, args.threads, args.clock))
     if args.llama_cpp:
         python = ensure_llama_cpp_venv(Path(args.llama_cpp_venv))
         for qtype in ("bf16", "q8_0"):
             gguf_path = write_gguf(hf_dir, work / shape / f"model-{qtype}.gguf", qtype)
-            backends.append(LlamaCppBackend(f"llama.cpp {qtype.upper()}", python, gguf_path, args.threads))
+            backends.append(LlamaCppBackend(f"llama.cpp {qtype.upper()}", python, gguf_path, args.threads,
+                                           args.clock))
     results: dict[str, dict[str, list[float]]] = {b.name: {} for b in backends}
     rng = np.random.default_rng(0)
     for b in backends:  # warm-up: first calls pay one-off costs (allocations, kernel JIT)
@@ -217,11 +257,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--llama-cpp-venv", default=str(CACHE / "bench" / "llama-cpp-venv"))
     p.add_argument("--work-dir", help="keep and reuse checkpoints here (default: a temporary folder)")
     p.add_argument("--json", help="write raw per-repeat values here")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="cpu: per-process CPU time, for --threads 1 on a machine shared with other work")
     args = p.parse_args(argv)
+    if args.clock == "cpu" and args.threads != 1:
+        p.error("--clock cpu needs --threads 1")
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         work = Path(args.work_dir) if args.work_dir else Path(tmp)
         all_results = {shape: bench_shape(shape, args, work) for shape in args.shapes}
-    print(f"\nthreads={args.threads} gen_len={args.gen_len} prompt_len={args.prompt_len} "
+    print(f"\nthreads={args.threads} clock={args.clock} gen_len={args.gen_len} prompt_len={args.prompt_len} "
           f"prefill_len={args.prefill_len} repeats={args.repeats}")
     print(format_table(all_results))
     if args.json:

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from tandem.bench.datasets import SampleRequest
 from tandem.bench.memory import MemorySampler
+from tandem.bench.spec_metrics import scrape_spec_counters, spec_decode_delta
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
@@ -106,12 +107,14 @@ class RequestResult:
 @dataclass
 class BenchRun:
     """Everything one benchmark run measured: per-request results in input order, wall time
-    from the first arrival to the last completion (seconds), and the server's peak RSS (bytes,
-    None without --server-pid)."""
+    from the first arrival to the last completion (seconds), the server's peak RSS (bytes,
+    None without --server-pid), and the speculative-decoding figures of the timed run
+    (`spec_metrics.spec_decode_delta`; None when the server does not expose them)."""
 
     results: list[RequestResult]
     duration_s: float
     peak_rss_bytes: int | None = None
+    spec_decode: dict[str, Any] | None = None
 
 
 def build_payload(config: BenchConfig, request: SampleRequest) -> dict[str, Any]:
@@ -259,6 +262,9 @@ async def _run_async(config: BenchConfig, requests: list[SampleRequest]) -> Benc
             return res
 
         offsets = arrival_offsets(len(requests), config.request_rate, config.burstiness, config.seed)
+        # NOTE: scraped after the warm-ups and outside the timed window, so the counters' increase
+        # is the timed requests' own and the scrapes cost the measured run nothing.
+        spec_before = await scrape_spec_counters(client, config.base_url, config.headers)
         start = time.perf_counter()
         tasks = []
         for req, offset in zip(requests, offsets, strict=True):
@@ -269,7 +275,9 @@ async def _run_async(config: BenchConfig, requests: list[SampleRequest]) -> Benc
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         bar.close()
-    return BenchRun(results=list(results), duration_s=duration)
+        spec_after = await scrape_spec_counters(client, config.base_url, config.headers)
+    return BenchRun(results=list(results), duration_s=duration,
+                    spec_decode=spec_decode_delta(spec_before, spec_after))
 
 
 def run_benchmark(config: BenchConfig, requests: list[SampleRequest]) -> BenchRun:

@@ -26,7 +26,9 @@ def build_result(
 ) -> dict[str, Any]:
     """The saved result of one run: run settings (with `workload`, the prompt settings of
     `datasets.workload_settings`), then `metrics` (vLLM's saved-result keys), then
-    `peak_server_rss_bytes`. An infinite request rate is stored as the string "inf"."""
+    `peak_server_rss_bytes` and `spec_decode` (the run's speculative-decoding figures, see
+    `spec_metrics.spec_decode_delta`; None when the server does not expose them). An infinite
+    request rate is stored as the string "inf"."""
     rate = config.request_rate
     return {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
@@ -44,6 +46,7 @@ def build_result(
         **metrics,
         "server_pid": config.server_pid,
         "peak_server_rss_bytes": run.peak_rss_bytes,
+        "spec_decode": run.spec_decode,
     }
 
 
@@ -52,9 +55,29 @@ def _ms(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}"
 
 
+def _spec_decode_lines(spec: dict[str, Any]) -> list[str]:
+    """The speculative-decoding block of the console summary (vLLM's wording where it has one)."""
+    rate, length = spec["acceptance_rate"], spec["mean_acceptance_length"]
+    rows: list[tuple[str, Any]] = [
+        ("Acceptance rate (%):", "n/a" if rate is None else f"{rate * 100:.2f}"),
+        ("Acceptance length:", "n/a" if length is None else f"{length:.2f}"),
+        ("Drafts:", spec["num_drafts"]),
+        ("Draft tokens:", spec["num_draft_tokens"]),
+        ("Accepted tokens:", spec["num_accepted_tokens"]),
+    ]
+    lines = ["{s:{c}^50}".format(s="Speculative Decoding", c="-")]
+    lines += [f"{k:<40}{v:<10}" for k, v in rows]
+    if spec["acceptance_rate_per_position"]:
+        lines.append("Per-position acceptance (%):")
+        lines += [f"{f'  Position {i}:':<40}{r * 100:<10.2f}"
+                  for i, r in enumerate(spec["acceptance_rate_per_position"])]
+    return lines
+
+
 def format_summary(result: dict[str, Any], percentiles: list[float]) -> str:
     """Console summary in the layout of `vllm bench serve`, so the two read side by side; latencies
-    without samples (e.g. every request failed) print as "n/a", not 0.00."""
+    without samples (e.g. every request failed) print as "n/a", not 0.00. A speculative-decoding
+    block follows when the result has `spec_decode` figures."""
     rows: list[tuple[str, Any]] = [
         ("Successful requests:", result["completed"]),
         ("Failed requests:", result["failed"]),
@@ -85,6 +108,8 @@ def format_summary(result: dict[str, Any], percentiles: list[float]) -> str:
         for p in percentiles:
             key = percentile_key(p)
             lines.append(f"{key.upper() + ' ' + upper + ' (ms):':<40}{_ms(result[f'{key}_{name}_ms']):<10}")
+    if result.get("spec_decode") is not None:
+        lines += _spec_decode_lines(result["spec_decode"])
     lines.append("=" * 50)
     return "\n".join(lines)
 
@@ -103,13 +128,29 @@ def _cell(run: dict[str, Any], key: str, scale: float = 1.0) -> str:
     return "-" if value is None else f"{value * scale:.2f}"
 
 
+def _spec_cells(run: dict[str, Any]) -> list[str]:
+    """Acceptance rate (%), mean acceptance length, per-position acceptance (%, "/"-joined)."""
+    spec = run.get("spec_decode")
+    if spec is None:
+        return ["-", "-", "-"]
+    rate, length = spec["acceptance_rate"], spec["mean_acceptance_length"]
+    per_pos = "/".join(f"{r * 100:.0f}" for r in spec["acceptance_rate_per_position"])
+    return ["-" if rate is None else f"{rate * 100:.2f}", "-" if length is None else f"{length:.2f}",
+            per_pos or "-"]
+
+
 def markdown_table(runs: list[dict[str, Any]], x_key: str) -> str:
-    """One row per run: load level, successes, failures, throughputs, p50/p99 latencies (ms)."""
+    """One row per run: load level, successes, failures, throughputs, p50/p99 latencies (ms),
+    and, when any run has speculative-decoding figures, acceptance rate, mean acceptance length
+    and per-position acceptance rates."""
     header = [
         x_key, "ok", "failed", "req/s", "goodput req/s", "out tok/s", "total tok/s",
         "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p50", "ITL p99",
         "E2EL p50", "E2EL p99", "peak RSS MiB",
     ]
+    with_spec = any(run.get("spec_decode") is not None for run in runs)
+    if with_spec:
+        header += ["accept %", "accept len", "accept % by pos"]
     keys = [
         "request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
         "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
@@ -120,6 +161,8 @@ def markdown_table(runs: list[dict[str, Any]], x_key: str) -> str:
         cells = [str(run.get(x_key)), str(run["completed"]), str(run["failed"])]
         cells += [_cell(run, k) for k in keys]
         cells.append(_cell(run, "peak_server_rss_bytes", 1 / 2**20))
+        if with_spec:
+            cells += _spec_cells(run)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -11,7 +11,7 @@ import torch
 from tandem.kernels.build import load_extension, unsupported_reason
 
 __all__ = [
-    "available", "linear_bf16", "linear_int4", "linear_int8", "paged_attention", "rms_norm", "rotary",
+    "available", "dequantize", "linear_bf16", "linear_int4", "linear_int8", "paged_attention", "rms_norm", "rotary",
     "silu_and_mul", "unsupported_reason",
 ]
 
@@ -57,6 +57,11 @@ def linear_int4(
         RuntimeError: K is not a multiple of 32, or wrong dtypes/shapes (raised by the kernel).
     """
     return load_extension().linear_int4(x, qweight, scale, bias)
+
+
+def dequantize(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The bf16 weight ``[N, K]`` (``bf16(q * scale)``) of an int8 or int4 layer (formats as above)."""
+    return load_extension().dequantize(qweight, scale)
 
 
 def paged_attention(

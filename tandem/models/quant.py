@@ -97,6 +97,9 @@ class QuantizedLinear(nn.Module):
             op = kernels.linear_int4 if self.method == "int4" else kernels.linear_int8
             return op(x, self.qweight, self.scale, self.bias)
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        if x.dtype == torch.bfloat16 and kernels.available():
+            # NOTE: large batches (prefill) are compute-bound: one fast dequantization, then oneDNN.
+            return F.linear(x, kernels.dequantize(self.qweight, self.scale), bias)
         return F.linear(x, self.dequantized(x.dtype), bias)
 
     def extra_repr(self) -> str:

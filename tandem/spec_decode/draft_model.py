@@ -108,7 +108,10 @@ class DraftModel:
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         starts = [0, *itertools.accumulate(counts)]
         index = [starts[r] + i for r, wanted in enumerate(rows_positions) for i in wanted]
-        logits = self.model.compute_logits(hidden[index])[:, : self.vocab_size]
+        if index:
+            logits = self.model.compute_logits(hidden[index])[:, : self.vocab_size]
+        else:  # NOTE: a catch-up-only step (no row proposes); skip the LM head on an empty batch
+            logits = torch.empty(0, self.vocab_size)
         self.num_forwards += 1
         self.num_tokens_run += len(input_ids)
         self.seconds += time.perf_counter() - t0

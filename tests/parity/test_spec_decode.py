@@ -236,3 +236,26 @@ def test_tiny_sampled_joint_distribution_matches_target(tiny_llama_dir):
             cells += 1
     assert not counts, f"tokens outside the target's top-k: {counts}"
     assert cells == 9 and stat < 26.12, stat
+
+
+@pytest.mark.parametrize("method", ["ngram", "ar"])
+def test_stories_penalties_and_min_tokens_match_plain(stories_dir, plain_llm, method):
+    """Verified positions see the drafts before them as output: penalties and min_tokens stay exact."""
+    params = [SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.3),
+              SamplingParams(temperature=0.0, max_tokens=40, frequency_penalty=0.8, presence_penalty=0.4),
+              SamplingParams(temperature=0.0, max_tokens=40, min_tokens=30)]
+    ref = plain_llm.generate(PROMPTS[:3], params)
+    outs = make_llm(stories_dir, method).generate(PROMPTS[:3], params)
+    for out, r in zip(outs, ref, strict=True):
+        assert out.outputs[0].token_ids == r.outputs[0].token_ids
+
+
+def test_tiny_penalties_inside_accepted_runs(tiny_llama_dir):
+    """With the target as its own draft whole runs are accepted, so a token repeated inside one run
+    must already be penalized at its second position (as plain decoding penalizes it)."""
+    params = [GREEDY.clone(repetition_penalty=1.8), GREEDY.clone(frequency_penalty=1.5),
+              GREEDY.clone(presence_penalty=1.5), GREEDY.clone(min_tokens=20, ignore_eos=False)]
+    plain, _ = run_core(tiny_llama_dir, TINY_PROMPTS, params)
+    spec = SpeculativeConfig(method="draft", speculative_model=str(tiny_llama_dir), num_speculative_tokens=5)
+    outs, core = run_core(tiny_llama_dir, TINY_PROMPTS, params, spec)
+    assert outs == plain and core.stats().spec_num_accepted_tokens > 0

@@ -15,6 +15,11 @@ Chat requests get a role-only header chunk immediately, before the first token. 
 records the time the handler received the request in `FakeOpenAIServer.received[TAG]`.
 `GET /stats` returns the peak number of requests in flight. `GET /v1/models` lists one model, with
 `root` = `FakeOpenAIServer.model_root` when that is set (as vLLM and Tandem report the model path).
+`GET /metrics` exists only with `metrics_prefix` set ("tandem" or "vllm"; "garbage" serves a page
+that is not Prometheus text): real prometheus_client counters `<prefix>:spec_decode_num_drafts`,
+`..._num_draft_tokens`, `..._num_accepted_tokens` and `..._num_accepted_tokens_per_pos{position}`
+that every streamed request (warm-ups too) advances by `SPEC_PER_REQUEST` after its last token, before
+its usage chunk and `[DONE]`. With `api_key` set, /metrics answers 401 without `Authorization: Bearer`.
 """
 
 from __future__ import annotations
@@ -29,9 +34,13 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 MODEL = "fake-model"
+# Increase of each spec-decode counter per finished request: 3 drafts of k = 4 tokens, 7 accepted
+# (3 at position 0, 2 at 1, 1 at 2, 1 at 3).
+SPEC_PER_REQUEST = {"drafts": 3, "draft_tokens": 12, "accepted": 7, "per_pos": (3, 2, 1, 1)}
 
 
 def parse_script(text: str) -> dict[str, Any]:
@@ -53,10 +62,39 @@ def _choice(chat: bool, text: str, finish: str | None) -> dict[str, Any]:
     return {"index": 0, "text": text, "finish_reason": finish}
 
 
+class _SpecCounters:
+    """Spec-decode counters named and labelled as the real server's (vLLM adds an `engine` label)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name", "engine"] if prefix == "vllm" else ["model_name"]
+        self.values = [MODEL, "0"] if prefix == "vllm" else [MODEL]
+
+        def counter(name: str, extra: list[str]) -> Counter:
+            return Counter(f"{prefix}:spec_decode_{name}", name, labels + extra, registry=self.registry)
+
+        self.drafts = counter("num_drafts", []).labels(*self.values)
+        self.draft_tokens = counter("num_draft_tokens", []).labels(*self.values)
+        self.accepted = counter("num_accepted_tokens", []).labels(*self.values)
+        self.per_pos = counter("num_accepted_tokens_per_pos", ["position"])
+        self.drafts.inc(5)  # NOTE: non-zero before any request, so a run must report increases
+        self.per_pos.labels(*self.values, "0").inc(2)
+
+    def advance(self) -> None:
+        self.drafts.inc(SPEC_PER_REQUEST["drafts"])
+        self.draft_tokens.inc(SPEC_PER_REQUEST["draft_tokens"])
+        self.accepted.inc(SPEC_PER_REQUEST["accepted"])
+        for pos, count in enumerate(SPEC_PER_REQUEST["per_pos"]):
+            self.per_pos.labels(*self.values, str(pos)).inc(count)
+
+
 class FakeOpenAIServer:
     """Runs the app with uvicorn in a daemon thread on a free loopback port."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics_prefix: str | None = None, api_key: str | None = None) -> None:
+        self.metrics_prefix = metrics_prefix
+        self.api_key = api_key
+        self.spec = _SpecCounters(metrics_prefix) if metrics_prefix in ("tandem", "vllm") else None
         self.in_flight = 0
         self.model_root: str | None = None
         self.peak_in_flight = 0
@@ -102,6 +140,16 @@ class FakeOpenAIServer:
         @app.get("/stats")
         async def stats() -> dict[str, Any]:
             return {"peak_in_flight": self.peak_in_flight}
+
+        if self.metrics_prefix is not None:
+
+            @app.get("/metrics")
+            async def metrics(request: Request) -> Response:
+                if self.api_key and request.headers.get("authorization") != f"Bearer {self.api_key}":
+                    return JSONResponse({"error": "unauthorized"}, status_code=401)
+                if self.spec is None:
+                    return PlainTextResponse("<html>not prometheus</html>")
+                return Response(generate_latest(self.spec.registry), media_type="text/plain")
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Any:
@@ -153,6 +201,8 @@ class FakeOpenAIServer:
                 return
             last = k == n - 1 and mode != "truncated"
             yield _sse({"object": obj, "choices": [_choice(chat, f"t{k} ", "length" if last else None)]})
+        if self.spec is not None:
+            self.spec.advance()
         if mode in ("nodone", "truncated"):
             return
         if mode != "nousage" and body.get("stream_options", {}).get("include_usage"):

@@ -144,3 +144,13 @@ def test_quantized_stories_logits_stay_close(stories_logits, method: str, max_re
     assert rel < max_rel, f"{method}: relative logit error {rel:.3f}"
     assert agree >= min_agree, f"{method}: greedy agreement {agree:.2f}"
     assert in_top5 >= 0.97, f"{method}: greedy token in the reference top 5 at {in_top5:.2f} of positions"
+
+
+@needs_kernels
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_dequantize_kernel_matches_python(method: str) -> None:
+    """bf16(q * scale) of the kernel equals the Python dequantization rounded to bf16 (exactly)."""
+    w = torch.randn(13, 96, generator=torch.Generator().manual_seed(4))
+    q, s = quantize_int4(w) if method == "int4" else quantize_int8(w)
+    expected = (dequantize_int4 if method == "int4" else dequantize_int8)(q, s).bfloat16()
+    assert torch.equal(kernels.dequantize(q, s), expected)

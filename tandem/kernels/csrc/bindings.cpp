@@ -7,6 +7,7 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, a
                      at::Tensor query_start_loc, double scale, int64_t max_query_len);
 at::Tensor linear_int8(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::optional<at::Tensor> bias);
 at::Tensor linear_int4(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::optional<at::Tensor> bias);
+at::Tensor dequantize(at::Tensor qweight, at::Tensor scale);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor silu_and_mul(at::Tensor x);
@@ -18,6 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none());
   m.def("linear_int4", &linear_int4, "y = x @ (q * scale).T (+ bias), int4 group-32 weights", py::arg("x"),
         py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none());
+  m.def("dequantize", &dequantize, "bf16 weight of an int8 or int4 layer");
   m.def("paged_attention", &paged_attention, "write K/V into the paged cache, attend for short rows");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim of [R, dim]");
   m.def("rotary", &rotary, "rotate-half rotary embedding of [T, H, D]");
