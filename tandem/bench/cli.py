@@ -190,7 +190,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         mode = "rate" if args.request_rates else "concurrency"
         spec = args.request_rates or args.concurrency
         levels = [float(x) if mode == "rate" else int(x) for x in spec.split(",") if x.strip()]
-        pool_size = max(prompts_for_level(mode, level, args.num_prompts) for level in levels)
+        # NOTE: every level gets prompts of its own, so no level is served from prefix-cache
+        # entries that an earlier level left behind.
+        pool_size = sum(prompts_for_level(mode, level, args.num_prompts) for level in levels)
         config, requests, tokenizer = _prepare(args, pool_size)
     except (ValueError, OSError, httpx.HTTPError) as e:
         return _fail(str(e))

@@ -162,8 +162,10 @@ async def _read_stream(response: httpx.Response, result: RequestResult, chat: bo
             continue  # blank separators, SSE comments (pings), event:/id: fields
         data = line[5:].strip()
         if data == "[DONE]":
+            # NOTE: read on to the end of the body (not break) so httpx can reuse the keep-alive
+            # connection, as vLLM's client does; otherwise every request pays a new connection.
             done = True
-            break
+            continue
         now = time.perf_counter()
         event = json.loads(data)
         if not isinstance(event, dict):

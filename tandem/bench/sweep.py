@@ -56,7 +56,8 @@ def run_sweep(
 ) -> dict[str, Any]:
     """Run every level in order and write the report folder.
 
-    `requests` is the pool each level takes its first N requests from (cycled if shorter);
+    `requests` is the pool each level takes its next N requests from (cycled if shorter), so levels
+    do not resend each other's prompts when the pool is large enough;
     `workload` (prompt settings) is saved with each level's result.
     Percentile 99 is always computed (the plots and table need it). Returns the results.json
     content: {"mode", "x_key", "levels", "runs": [saved result per level]}.
@@ -69,10 +70,12 @@ def run_sweep(
     pcts = sorted(set(percentiles) | {50.0, 99.0})
     x_key = "max_concurrency" if mode == "concurrency" else "request_rate"
     runs = []
+    first = 0
     for level in levels:
         config = level_config(base, mode, level)
         n = prompts_for_level(mode, level, num_prompts)
-        batch = [requests[i % len(requests)] for i in range(n)]
+        batch = [requests[(first + i) % len(requests)] for i in range(n)]
+        first += n
         run = run_benchmark(config, batch)
         metrics = calculate_metrics(run.results, run.duration_s, pcts, goodput_ms, tokenizer)
         result = build_result(config, run, metrics, workload)

@@ -120,7 +120,8 @@ class OpenAIServingChat:
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     logprobs = self._logprobs(c, params)
-                    if not c.text and c.finish_reason is None and not (logprobs and logprobs.content):
+                    # NOTE: one chunk per step with new tokens, even with empty text (as vLLM does).
+                    if not c.token_ids and not c.text and c.finish_reason is None:
                         continue
                     delta = {"content": c.text} if c.text else {}
                     choice = {"index": c.index, "delta": delta,

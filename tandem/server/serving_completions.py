@@ -268,7 +268,9 @@ class OpenAIServingCompletion:
                     if params.logprobs is not None:
                         logprobs, offsets[index] = completion_logprobs(
                             self.tokenizer, c.token_ids, c.logprobs or [], params.logprobs, offsets[index])
-                    if not text and c.finish_reason is None and not (logprobs and logprobs.tokens):
+                    # NOTE: one chunk per step with new tokens, even when their text is empty (special
+                    # tokens, held-back stop-string prefixes), as vLLM does, so clients' ITL is comparable.
+                    if not c.token_ids and not text and c.finish_reason is None:
                         continue
                     choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
                                               finish_reason=c.finish_reason)
