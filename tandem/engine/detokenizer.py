@@ -55,6 +55,9 @@ class IncrementalDetokenizer:
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         self.num_output_tokens = 0
+        self._num_update_ids = 0
+        # Ids of the last update that follow the token completing a matched stop string.
+        self.num_new_tokens_after_stop = 0
         self.output_text = ""
         self.new_token_texts: list[str] = []
         self.token_ids = self._prompt_context(list(prompt_token_ids[-_MAX_PROMPT_CONTEXT_TOKENS:]))
@@ -86,6 +89,8 @@ class IncrementalDetokenizer:
         ``new_token_ids``, except a left-out stop id; text released at the finish goes to the last one).
         """
         self.num_output_tokens += len(new_token_ids)
+        self._num_update_ids = len(new_token_ids)
+        self.num_new_tokens_after_stop = 0
         if stop_terminated and not self.include_stop_str_in_output and new_token_ids:
             new_token_ids = new_token_ids[:-1]
         old_length = len(self.output_text)
@@ -147,9 +152,23 @@ class IncrementalDetokenizer:
         if found is None:
             return None
         index, stop = found
+        self.num_new_tokens_after_stop = self._tokens_after(old_length, index + len(stop))
         end = index + len(stop) if self.include_stop_str_in_output else index
         self.output_text = self.output_text[:end]
         return stop
+
+    def _tokens_after(self, old_length: int, stop_end: int) -> int:
+        """How many of this update's ids come after the one whose text completes the stop string.
+
+        NOTE: with speculative decoding one step brings several tokens; those after the stop string
+        are dropped from the completion's token ids, so ids and usage match plain decoding.
+        """
+        reached = old_length
+        for i, text in enumerate(self.new_token_texts):
+            reached += len(text)
+            if reached >= stop_end:
+                return self._num_update_ids - (i + 1)
+        return 0
 
 
 def find_stop_string(text: str, new_from: int, stops: list[str]) -> tuple[int, str] | None:

@@ -68,13 +68,15 @@ class _ChildState:
     def update(self, output: EngineCoreOutput) -> str | None:
         """Add one core output; returns the stop string if one matched. Changes all fields above."""
         self.num_draft_tokens, self.num_accepted_tokens = output.num_draft_tokens, output.num_accepted_tokens
-        self.token_ids.extend(output.new_token_ids)
         stop_terminated = output.finish_reason == "stop" and not isinstance(output.stop_reason, str)
         stop_string = self.detokenizer.update(
             output.new_token_ids, stop_terminated, finished=output.finish_reason is not None
         )
+        # Tokens after the one completing a stop string (a multi-token speculative step) are dropped.
+        kept = len(output.new_token_ids) - (self.detokenizer.num_new_tokens_after_stop if stop_string else 0)
+        self.token_ids.extend(output.new_token_ids[:kept])
         if self.logprobs is not None and output.new_logprobs:
-            self._add_logprobs(output.new_token_ids, output.new_logprobs)
+            self._add_logprobs(output.new_token_ids[:kept], output.new_logprobs[:kept])
         if stop_string is not None:
             self.finish_reason, self.stop_reason = "stop", stop_string
         elif output.finish_reason is not None:

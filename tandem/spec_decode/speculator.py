@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.config import SpeculativeConfig
+from tandem.config import ConfigError, SpeculativeConfig
 from tandem.models.llama import LlamaForCausalLM
 from tandem.outputs import ScheduledRequest
 from tandem.sample.sampler import SamplingState
@@ -25,7 +25,7 @@ from tandem.spec_decode.self_quant import quantized_copy
 
 def build_proposer(
     config: SpeculativeConfig, target: LlamaForCausalLM, dtype: torch.dtype, block_size: int,
-    max_model_len: int,
+    max_model_len: int, target_dir: Path | None = None,
 ) -> tuple[Proposer, DraftModel | None]:
     """The proposer of ``config.method`` and its draft model (None for ngram).
 
@@ -40,10 +40,33 @@ def build_proposer(
                            max_model_len)
         return DraftModelProposer(draft), draft
     model_dir = Path(config.speculative_model)
+    if not model_dir.exists():
+        raise FileNotFoundError(f"speculative model path {model_dir} does not exist (expected a HF checkpoint folder)")
+    if target_dir is not None:
+        check_same_vocabulary(target_dir, model_dir)
     draft = DraftModel.load(model_dir, dtype, block_size, vocab_size, max_model_len)
     if config.method == "pard":
         return PardProposer(draft, pard_mask_token_id(model_dir, config.pard_mask_token_id)), draft
     return DraftModelProposer(draft), draft
+
+
+def check_same_vocabulary(target_dir: Path, draft_dir: Path) -> None:
+    """Raises ConfigError when both folders have a ``tokenizer.json`` and their vocabularies differ.
+
+    NOTE: draft tokens are target token ids, so a draft with another tokenizer would only waste
+    every step; a draft without tokenizer files is trusted (its vocabulary size is checked on load).
+    """
+    from tokenizers import Tokenizer
+
+    files = [Path(d) / "tokenizer.json" for d in (target_dir, draft_dir)]
+    if not all(f.is_file() for f in files):
+        return
+    target_vocab, draft_vocab = (Tokenizer.from_file(str(f)).get_vocab() for f in files)
+    if target_vocab != draft_vocab:
+        raise ConfigError(
+            f"the draft at {draft_dir} has a different tokenizer from the target at {target_dir} "
+            f"({len(draft_vocab)} vs {len(target_vocab)} tokens); draft and target must share a tokenizer"
+        )
 
 
 class Speculator:

@@ -97,7 +97,8 @@ class ModelRunner:
         self.speculator: Speculator | None = None
         if engine_config.speculative is not None:
             proposer, draft = build_proposer(
-                engine_config.speculative, self.model, self.dtype, self.block_size, self.max_model_len
+                engine_config.speculative, self.model, self.dtype, self.block_size, self.max_model_len,
+                target_dir=Path(model_dir),
             )
             self.speculator = Speculator(engine_config.speculative, proposer, draft, self.max_model_len)
         if engine_config.model.quantization is not None:

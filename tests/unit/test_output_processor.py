@@ -184,14 +184,20 @@ def test_include_stop_str_in_output_and_cumulative_kind(stories_tok):
     assert results[1].request_outputs[0].outputs[0].token_ids == _story_ids(stories_tok)[:4]
 
 
-def test_stop_string_inside_multi_token_step_keeps_all_tokens(stories_tok):
+def test_stop_string_inside_multi_token_step_drops_later_tokens(stories_tok):
+    # A speculative step brings several tokens at once; those after the stop string are dropped so
+    # token ids (and usage) equal plain decoding, which would have stopped at that token.
     proc = OutputProcessor(stories_tok)
-    _add(proc, params=SamplingParams(stop=[","]))
+    _add(proc, params=SamplingParams(stop=[","], logprobs=1))
     ids = _story_ids(stories_tok)
-    result = proc.process_outputs([EngineCoreOutput("r", ids[:7])])
+    completes = next(k for k in range(1, 8) if "," in stories_tok.decode(ids[:k]))
+    assert completes < 7  # the step below carries tokens after the one completing the stop string
+    positions = [{t: Logprob(-0.5, 1)} for t in ids[:7]]
+    result = proc.process_outputs([EngineCoreOutput("r", ids[:7], new_logprobs=positions)])
     out = result.request_outputs[0].outputs[0]
-    assert (out.text, out.token_ids, out.stop_reason, result.reqs_to_abort) == ("Once upon a time", ids[:7],
-                                                                               ",", ["r"])
+    assert (out.text, out.token_ids, out.stop_reason, result.reqs_to_abort) == (
+        "Once upon a time", ids[:completes], ",", ["r"])
+    assert len(out.logprobs) == completes and out.cumulative_logprob == -0.5 * completes
 
 
 def test_eos_and_stop_token_text_hidden_unless_included(stories_tok):

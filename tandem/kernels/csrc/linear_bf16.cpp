@@ -67,6 +67,19 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bia
   const int64_t M = x.size(0);
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  if (M <= 2) {  // memory-bound: one sequential row stream at a time (see dot_row)
+    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+      float acc[2];
+      for (int64_t n = begin; n < end; ++n) {
+        if (M == 1)
+          tandem::dot_row<1, 4>(xp, K, wp + n * K, K, acc);
+        else
+          tandem::dot_row<2, 2>(xp, K, wp + n * K, K, acc);
+        tandem::store_tile(acc, 1, M, n, N, nullptr, b, y);
+      }
+    });
+    return y;
+  }
   const int64_t tiles = N / kRowTile;
   // NOTE: a grain of 16 tiles (64 rows) keeps tiny matrices on one thread, where a fork costs more.
   at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
