@@ -29,7 +29,10 @@ HEADERS = ("vec.h", "gemm_tile.h")
 CSRC = Path(__file__).resolve().parent / "csrc"
 # avx512_bf16 for vdpbf16ps; avx512bw/vl for masked 16-bit loads.
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c")
+CFLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c")
+# NOTE: at::parallel_for is an OpenMP pragma inlined from ATen's headers: without -fopenmp it runs on
+# one thread. The library links libgomp.so.1 by soname, so it binds to the copy torch already loaded.
+LDFLAGS = ("-fopenmp",)
 
 
 def cpu_flags() -> frozenset[str]:
@@ -70,7 +73,7 @@ def extension_name() -> str:
     h = hashlib.sha256()
     for name in SOURCES + HEADERS:
         h.update((CSRC / name).read_bytes())
-    h.update(" ".join(CFLAGS).encode())
+    h.update(" ".join(CFLAGS + LDFLAGS).encode())
     h.update(f"{torch.__version__} {sys.version_info[:2]}".encode())
     return f"tandem_kernels_{h.hexdigest()[:12]}"
 
@@ -106,7 +109,7 @@ def load_extension() -> ModuleType | None:
         build_dir.mkdir(parents=True, exist_ok=True)
         logger.info("building Tandem CPU kernels into %s (once per machine, about a minute)", build_dir)
         return load(name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=list(CFLAGS),
-                    build_directory=str(build_dir), verbose=False)
+                    extra_ldflags=list(LDFLAGS), build_directory=str(build_dir), verbose=False)
     except Exception as e:  # NOTE: compiler, ninja or loader errors all mean "use PyTorch"
         logger.warning("Tandem CPU kernels unavailable, falling back to PyTorch ops: %s", e)
         return None

@@ -127,11 +127,3 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
             setattr(parent, attr, QuantizedLinear(module, layer_method))
     return model
 
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the parameters and buffers a decode step reads (embedding table excluded), for reports."""
-    total = 0
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if "embed_tokens" not in name and "rotary" not in name:
-            total += t.numel() * t.element_size()
-    return total

@@ -1,11 +1,12 @@
 // bf16 GEMV / small-batch GEMM for decode: y[M, N] = x[M, K] @ w[N, K]^T (+ bias), AVX-512 BF16.
 //
 // Decode reads every weight once per step, so the kernel streams the rows of w in their checkpoint
-// layout (no packing) through the dot_tile micro-kernel (gemm_tile.h): a tile of 4 rows x 4 tokens
-// keeps 16 fp32 accumulators. Products of two bf16 values are exact in fp32, so the only rounding
-// is fp32 accumulation and the final round-to-nearest-even to bf16 (as oneDNN does). Threads split
-// the rows (at::parallel_for, torch's OpenMP pool): each reads a contiguous slice, prefetching one
-// tile ahead.
+// layout (no packing). One or two tokens (memory-bound) read one row at a time (dot_row in
+// gemm_tile.h: a single sequential stream); more tokens (compute-bound) use tiles of 4 rows x 4
+// tokens with 16 fp32 accumulators (dot_tile), prefetching the next tile. Products of two bf16
+// values are exact in fp32, so the only rounding is fp32 accumulation and the final
+// round-to-nearest-even to bf16 (as oneDNN does). Threads split the rows (at::parallel_for, torch's
+// OpenMP pool): each reads a contiguous slice.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -16,22 +17,6 @@
 
 using tandem::dot_rows;
 using tandem::kRowTile;
-
-namespace {
-
-void store_rows(const float* acc, int rows, int64_t M, int64_t row0, int64_t N, const float* scale,
-                const at::BFloat16* bias, at::BFloat16* y) {
-  for (int64_t m = 0; m < M; ++m) {
-    for (int r = 0; r < rows; ++r) {
-      float v = acc[m * rows + r];
-      if (scale != nullptr) v *= scale[row0 + r];
-      if (bias != nullptr) v += static_cast<float>(bias[row0 + r]);
-      y[m * N + row0 + r] = at::BFloat16(v);
-    }
-  }
-}
-
-}  // namespace
 
 namespace tandem {
 
@@ -48,10 +33,8 @@ at::Tensor prepare_linear(at::Tensor& x, int64_t N, int64_t K, const c10::option
   return at::empty({x.size(0), N}, x.options());
 }
 
-void store_tile(const float* acc, int rows, int64_t M, int64_t row0, int64_t N, const float* scale,
-                const at::Tensor& bias, at::Tensor& y) {
-  store_rows(acc, rows, M, row0, N, scale, bias.defined() ? bias.data_ptr<at::BFloat16>() : nullptr,
-             y.data_ptr<at::BFloat16>());
+Output output(at::Tensor& y, const float* scale, const at::Tensor& bias) {
+  return Output{y.data_ptr<at::BFloat16>(), y.size(1), scale, bias.defined() ? bias.data_ptr<at::BFloat16>() : nullptr};
 }
 
 }  // namespace tandem
@@ -65,6 +48,7 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bia
   at::Tensor b;
   at::Tensor y = tandem::prepare_linear(x, N, K, bias, b, "linear_bf16");
   const int64_t M = x.size(0);
+  const tandem::Output out = tandem::output(y, nullptr, b);
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   if (M <= 2) {  // memory-bound: one sequential row stream at a time (see dot_row)
@@ -75,7 +59,7 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bia
           tandem::dot_row<1, 4>(xp, K, wp + n * K, K, acc);
         else
           tandem::dot_row<2, 2>(xp, K, wp + n * K, K, acc);
-        tandem::store_tile(acc, 1, M, n, N, nullptr, b, y);
+        out.store(acc, 1, M, n);
       }
     });
     return y;
@@ -88,13 +72,13 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bia
       const int64_t row0 = t * kRowTile;
       const uint16_t* next = t + 1 < end ? wp + (row0 + kRowTile) * K : nullptr;
       dot_rows<kRowTile>(xp, K, M, K, wp + row0 * K, K, acc.data(), next);
-      tandem::store_tile(acc.data(), kRowTile, M, row0, N, nullptr, b, y);
+      out.store(acc.data(), kRowTile, M, row0);
     }
   });
   std::vector<float> acc(M);
   for (int64_t row = tiles * kRowTile; row < N; ++row) {
     dot_rows<1>(xp, K, M, K, wp + row * K, K, acc.data(), nullptr);
-    tandem::store_tile(acc.data(), 1, M, row, N, nullptr, b, y);
+    out.store(acc.data(), 1, M, row);
   }
   return y;
 }

@@ -4,11 +4,12 @@
 //   int8  qweight int8 [N, K], scale fp32 [N]: w = q * scale[n] (symmetric, per output channel).
 //   int4  qweight uint8 [N, K / 2], scale fp16 [N, K / 32]: in group g of row n (32 weights, 16 bytes,
 //         llama.cpp Q4_0's layout), byte j holds (q_j + 8) | (q_{j+16} + 8) << 4 and w = q * scale[n, g].
-// Each thread walks its tiles of 4 rows; per tile the weights are dequantized into an L1 buffer of
-// bf16, kChunk columns at a time, and multiplied with the shared micro-kernel (gemm_tile.h), so the
-// dequantization is paid once per weight however many tokens there are. int8 values are exact in bf16
-// (the per-row scale is applied at the end, in fp32); int4 values become bf16(q * scale), whose
-// rounding (2^-9 relative) is far below the 4-bit quantization step.
+// One token (decode at batch 1, memory-bound) reads one row at a time straight from the quantized
+// bytes (int8_row_one_token, int4_row_one_token). Several tokens: each thread walks tiles of 4 rows,
+// dequantizes them into an L1 buffer of bf16, kChunk columns at a time, and multiplies with the
+// shared micro-kernel (gemm_tile.h), so dequantization is paid once per weight however many tokens
+// there are. int8 values are exact in bf16 (the per-row scale is applied at the end, in fp32); int4
+// values become bf16(q * scale) there, whose rounding (2^-9 relative) is far below the 4-bit step.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -22,8 +23,7 @@
 namespace tandem {
 at::Tensor prepare_linear(at::Tensor& x, int64_t N, int64_t K, const c10::optional<at::Tensor>& bias,
                           at::Tensor& bias_c, const char* op);
-void store_tile(const float* acc, int rows, int64_t M, int64_t row0, int64_t N, const float* scale,
-                const at::Tensor& bias, at::Tensor& y);
+Output output(at::Tensor& y, const float* scale, const at::Tensor& bias);
 }  // namespace tandem
 
 namespace {
@@ -75,35 +75,25 @@ struct Int4Rows {
   }
 };
 
-// One token (decode at batch 1): dot products straight from the int8 bytes in fp32, no bf16 buffer
-// (a quarter of the instructions per weight of the buffered path, which is compute-bound there).
-// x32 is x in fp32; two accumulators per row hide the FMA latency.
-template <int RB>
-void int8_rows_one_token(const int8_t* q, int64_t K, const float* x32, float* out, const int8_t* pf) {
-  __m512 acc[RB][2];
-  for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+// One token (decode at batch 1), one row: dot products straight from the int8 bytes in fp32, no
+// bf16 buffer (a quarter of the instructions per weight of the buffered path, which is compute-bound
+// there). x32 is x in fp32; two accumulators hide the FMA latency.
+inline float int8_row_one_token(const int8_t* q, int64_t K, const float* x32) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
-    if (pf != nullptr && (k & 63) == 0)
-      for (int r = 0; r < RB; ++r) _mm_prefetch(reinterpret_cast<const char*>(pf + r * K + k), _MM_HINT_T0);
-    const __m512 x0 = _mm512_loadu_ps(x32 + k), x1 = _mm512_loadu_ps(x32 + k + 16);
-    for (int r = 0; r < RB; ++r) {
-      const int8_t* row = q + r * K + k;
-      __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
-      __m512 w1 = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16))));
-      acc[r][0] = _mm512_fmadd_ps(w0, x0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(w1, x1, acc[r][1]);
-    }
+    const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
+    const __m512 w1 =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16))));
+    acc0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x32 + k), acc0);
+    acc1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x32 + k + 16), acc1);
   }
   for (; k < K; k += 16) {
     const __mmask16 m = lane_mask(K - k);
-    const __m512 xv = _mm512_maskz_loadu_ps(m, x32 + k);
-    for (int r = 0; r < RB; ++r)
-      acc[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, q + r * K + k))),
-                                  xv, acc[r][0]);
+    const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, q + k)));
+    acc0 = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m, x32 + k), acc0);
   }
-  for (int r = 0; r < RB; ++r) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
 void run_int8_one_token(const int8_t* q, const at::Tensor& x, int64_t N, int64_t K, const float* row_scale,
@@ -111,20 +101,15 @@ void run_int8_one_token(const int8_t* q, const at::Tensor& x, int64_t N, int64_t
   std::vector<float> x32(K);
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   for (int64_t k = 0; k < K; ++k) x32[k] = static_cast<float>(xp[k]);
-  const int64_t tiles = N / kRowTile;
-  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    float acc[kRowTile];
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t row0 = t * kRowTile;
-      int8_rows_one_token<kRowTile>(q + row0 * K, K, x32.data(), acc, t + 1 < end ? q + (row0 + kRowTile) * K : nullptr);
-      tandem::store_tile(acc, kRowTile, 1, row0, N, row_scale, bias, y);
+  const tandem::Output out = tandem::output(y, row_scale, bias);
+  // NOTE: one row at a time: a single sequential stream per thread is what the hardware prefetcher
+  // serves best (see dot_row in gemm_tile.h).
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const float acc = int8_row_one_token(q + row * K, K, x32.data());
+      out.store(&acc, 1, 1, row);
     }
   });
-  for (int64_t row = tiles * kRowTile; row < N; ++row) {
-    float acc[1];
-    int8_rows_one_token<1>(q + row * K, K, x32.data(), acc, nullptr);
-    tandem::store_tile(acc, 1, 1, row, N, row_scale, bias, y);
-  }
 }
 
 // One token, int4: no dequantization to q * d. Each nibble u = q + 8 becomes the bf16 value 128 + u
@@ -133,60 +118,50 @@ void run_int8_one_token(const int8_t* q, const at::Tensor& x, int64_t N, int64_t
 // y = sum_g d_g T_g - 136 sum_g d_g X_g. Groups go in pairs: 32 bytes widen to 32 16-bit lanes
 // (group a's bytes, then group b's); low nibbles hold weights 0-15 of a and of b, high nibbles 16-31,
 // so x is pre-permuted to match (xp: per pair [x_a 0-15, x_b 0-15], [x_a 16-31, x_b 16-31]); the dot
-// lanes 0-7 then belong to a, 8-15 to b, scaled by dv = [d_a x 8, d_b x 8]. ~9 instructions per
-// 64 weights.
-template <int RB>
-void int4_rows_one_token(const uint8_t* q, const __m512* dv, const float* d, int64_t K, const uint16_t* xp,
-                         const uint16_t* x, const float* xsum, float* out, const uint8_t* pf) {
-  const int64_t groups = K / 32, pairs = groups / 2, row_bytes = K / 2;
+// lanes 0-7 then belong to a, 8-15 to b, scaled by [d_a x 8, d_b x 8], permuted out of 16 scales
+// converted from fp16 per block of 8 pairs. About 10 instructions per 64 weights.
+inline float int4_row_one_token(const uint8_t* q, const at::Half* scale, int64_t K, const uint16_t* xp,
+                                const uint16_t* x, const float* xsum, const __m512i* pair_idx) {
+  const int64_t groups = K / 32, pairs = groups / 2;
   const __m512i low4 = _mm512_set1_epi16(0x0F), magic = _mm512_set1_epi16(0x4300);
-  __m512 acc[RB];
-  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
-    if (pf != nullptr && (p & 1) == 0)
-      for (int r = 0; r < RB; ++r) _mm_prefetch(reinterpret_cast<const char*>(pf + r * row_bytes + 32 * p), _MM_HINT_T0);
-    const __m512bh x_lo = tandem::load_bf16(xp + 64 * p), x_hi = tandem::load_bf16(xp + 64 * p + 32);
-    for (int r = 0; r < RB; ++r) {
-      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * row_bytes + 32 * p)));
+  __m512 acc = _mm512_setzero_ps(), corr = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {  // blocks of 16 groups = 8 pairs
+    const __mmask16 gm = lane_mask(groups - g0);
+    const __m512 d16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, scale + g0));
+    corr = _mm512_fmadd_ps(d16, _mm512_maskz_loadu_ps(gm, xsum + g0), corr);
+    const int64_t p_end = std::min<int64_t>(pairs, g0 / 2 + 8);
+    for (int64_t p = g0 / 2; p < p_end; ++p) {
+      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * p)));
       const __m512i lo = _mm512_or_si512(_mm512_and_si512(v, low4), magic);
       const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(v, 4), magic);
-      __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), x_lo, (__m512bh)lo);
-      t = _mm512_dpbf16_ps(t, x_hi, (__m512bh)hi);
-      acc[r] = _mm512_fmadd_ps(t, dv[r * pairs + p], acc[r]);
+      __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), tandem::load_bf16(xp + 64 * p), (__m512bh)lo);
+      t = _mm512_dpbf16_ps(t, tandem::load_bf16(xp + 64 * p + 32), (__m512bh)hi);
+      acc = _mm512_fmadd_ps(t, _mm512_permutexvar_ps(pair_idx[p - g0 / 2], d16), acc);
     }
   }
   if (groups % 2) {  // the last group alone: lanes 16-31 of its widened bytes are zero
     const int64_t g = groups - 1;
-    const __m512bh x_lo = (__m512bh)_mm512_maskz_loadu_epi16(0xFFFF, x + 32 * g);
-    const __m512bh x_hi = (__m512bh)_mm512_maskz_loadu_epi16(0xFFFF, x + 32 * g + 16);
-    for (int r = 0; r < RB; ++r) {
-      const __m512i v = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(0xFFFF, q + r * row_bytes + 16 * g));
-      const __m512i lo = _mm512_maskz_or_epi32(0xFF, _mm512_and_si512(v, low4), magic);
-      const __m512i hi = _mm512_maskz_or_epi32(0xFF, _mm512_srli_epi16(v, 4), magic);
-      __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), x_lo, (__m512bh)lo);
-      t = _mm512_dpbf16_ps(t, x_hi, (__m512bh)hi);
-      acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(d[r * groups + g]), acc[r]);
-    }
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(0xFFFF, q + 16 * g));
+    const __m512i lo = _mm512_maskz_or_epi32(0xFF, _mm512_and_si512(v, low4), magic);
+    const __m512i hi = _mm512_maskz_or_epi32(0xFF, _mm512_srli_epi16(v, 4), magic);
+    __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_maskz_loadu_epi16(0xFFFF, x + 32 * g),
+                                (__m512bh)lo);
+    t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_maskz_loadu_epi16(0xFFFF, x + 32 * g + 16), (__m512bh)hi);
+    acc = _mm512_fmadd_ps(t, _mm512_set1_ps(static_cast<float>(scale[g])), acc);
   }
-  for (int r = 0; r < RB; ++r) {
-    __m512 c = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g += 16) {
-      const __mmask16 m = lane_mask(groups - g);
-      c = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, d + r * groups + g), _mm512_maskz_loadu_ps(m, xsum + g), c);
-    }
-    out[r] = _mm512_reduce_add_ps(acc[r]) - 136.0f * _mm512_reduce_add_ps(c);
-  }
+  return _mm512_reduce_add_ps(acc) - 136.0f * _mm512_reduce_add_ps(corr);
 }
 
 void run_int4_one_token(const uint8_t* q, const at::Half* scale, const at::Tensor& x, int64_t N, int64_t K,
                         const at::Tensor& bias, at::Tensor& y) {
-  const int64_t groups = K / 32, pairs = groups / 2, tiles = N / kRowTile;
+  const int64_t groups = K / 32, pairs = groups / 2;
   const auto* x16 = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const at::BFloat16* xb = x.data_ptr<at::BFloat16>();
   std::vector<float> xsum(groups);
   std::vector<uint16_t> xperm(64 * pairs);
   for (int64_t g = 0; g < groups; ++g) {
     float s = 0.0f;
-    for (int64_t j = 0; j < 32; ++j) s += static_cast<float>(x.data_ptr<at::BFloat16>()[32 * g + j]);
+    for (int64_t j = 0; j < 32; ++j) s += static_cast<float>(xb[32 * g + j]);
     xsum[g] = s;
   }
   for (int64_t p = 0; p < pairs; ++p)
@@ -196,34 +171,17 @@ void run_int4_one_token(const uint8_t* q, const at::Half* scale, const at::Tenso
       xperm[64 * p + 32 + j] = x16[64 * p + 16 + j];  // a, weights 16-31
       xperm[64 * p + 48 + j] = x16[64 * p + 48 + j];  // b, weights 16-31
     }
-  // Per tile: scales in fp32 (d) and as per-pair lane vectors (dv).
-  auto prepare = [&](int64_t row0, int rows, float* d, __m512* dv) {
-    for (int64_t i = 0; i < rows * groups; ++i) d[i] = static_cast<float>(scale[row0 * groups + i]);
-    for (int r = 0; r < rows; ++r)
-      for (int64_t p = 0; p < pairs; ++p)
-        dv[r * pairs + p] = _mm512_insertf32x8(_mm512_set1_ps(d[r * groups + 2 * p]),
-                                               _mm256_set1_ps(d[r * groups + 2 * p + 1]), 1);
-  };
-  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> d(kRowTile * groups);
-    std::vector<__m512> dv(kRowTile * pairs + 1);
-    float acc[kRowTile];
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t row0 = t * kRowTile;
-      prepare(row0, kRowTile, d.data(), dv.data());
-      int4_rows_one_token<kRowTile>(q + row0 * (K / 2), dv.data(), d.data(), K, xperm.data(), x16, xsum.data(), acc,
-                                    t + 1 < end ? q + (row0 + kRowTile) * (K / 2) : nullptr);
-      tandem::store_tile(acc, kRowTile, 1, row0, N, nullptr, bias, y);
+  __m512i pair_idx[8];  // lanes 0-7 pick scale 2j (group a), lanes 8-15 scale 2j + 1 (group b)
+  for (int j = 0; j < 8; ++j)
+    pair_idx[j] = _mm512_mask_set1_epi32(_mm512_set1_epi32(2 * j), 0xFF00, 2 * j + 1);
+  const tandem::Output out = tandem::output(y, nullptr, bias);
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // one row at a time, as for int8
+    for (int64_t row = begin; row < end; ++row) {
+      const float acc = int4_row_one_token(q + row * (K / 2), scale + row * groups, K, xperm.data(), x16,
+                                           xsum.data(), pair_idx);
+      out.store(&acc, 1, 1, row);
     }
   });
-  std::vector<float> d(groups);
-  std::vector<__m512> dv(pairs + 1);
-  for (int64_t row = tiles * kRowTile; row < N; ++row) {
-    float acc[1];
-    prepare(row, 1, d.data(), dv.data());
-    int4_rows_one_token<1>(q + row * (K / 2), dv.data(), d.data(), K, xperm.data(), x16, xsum.data(), acc, nullptr);
-    tandem::store_tile(acc, 1, 1, row, N, nullptr, bias, y);
-  }
 }
 
 template <int RB, typename Rows>
@@ -243,6 +201,7 @@ void run(const Rows& rows, const at::Tensor& x, int64_t N, int64_t K, const floa
          const at::Tensor& bias, at::Tensor& y) {
   const int64_t M = x.size(0), tiles = N / kRowTile;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const tandem::Output out = tandem::output(y, row_scale, bias);
   at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> buf(kRowTile * kChunk);
     std::vector<float> acc(M * kRowTile), part(M * kRowTile);
@@ -250,14 +209,14 @@ void run(const Rows& rows, const at::Tensor& x, int64_t N, int64_t K, const floa
       const int64_t row0 = t * kRowTile;
       tile<kRowTile>(rows, xp, M, K, row0, t + 1 < end ? row0 + kRowTile : -1, buf.data(), acc.data(),
                      part.data());
-      tandem::store_tile(acc.data(), kRowTile, M, row0, N, row_scale, bias, y);
+      out.store(acc.data(), kRowTile, M, row0);
     }
   });
   std::vector<uint16_t> buf(kChunk);
   std::vector<float> acc(M), part(M);
   for (int64_t row = tiles * kRowTile; row < N; ++row) {
     tile<1>(rows, xp, M, K, row, -1, buf.data(), acc.data(), part.data());
-    tandem::store_tile(acc.data(), 1, M, row, N, row_scale, bias, y);
+    out.store(acc.data(), 1, M, row);
   }
 }
 
