@@ -12,7 +12,7 @@ from tandem.kernels.build import load_extension, unsupported_reason
 
 __all__ = [
     "available", "dequantize", "linear_bf16", "linear_int4", "linear_int8", "paged_attention", "rms_norm", "rotary",
-    "silu_and_mul", "unsupported_reason",
+    "silu_and_mul", "unavailable_reason",
 ]
 
 # Largest token count the bf16 GEMV/GEMM kernel handles; above it oneDNN's GEMM (F.linear) is faster.
@@ -22,6 +22,13 @@ LINEAR_MAX_TOKENS = 16
 def available() -> bool:
     """True when the compiled kernels are loaded (builds them on the first call)."""
     return load_extension() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why ``available()`` is false (for logs and test skips), or None when the kernels are loaded."""
+    if available():
+        return None
+    return unsupported_reason() or "the build failed (its error was logged as a warning)"
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from tandem import kernels
-from tandem.attention import AttentionMetadata, TorchRefAttention
+from tandem.attention import AttentionMetadata, CpuPagedAttention, TorchRefAttention, select_backend
 from tandem.models.layers import RMSNorm, SiluAndMul, apply_rotary
 
 pytestmark = pytest.mark.skipif(
-    not kernels.available(), reason=f"Tandem CPU kernels unavailable: {kernels.unsupported_reason()}"
+    not kernels.available(), reason=f"Tandem CPU kernels unavailable: {kernels.unavailable_reason()}"
 )
 
 
@@ -112,6 +112,28 @@ def test_paged_attention_leaves_long_rows_and_reads_strided_views() -> None:
             torch.testing.assert_close(out[rows], expected[rows], rtol=1e-5, atol=1e-5)
         else:
             assert out[rows].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_paged_backend_matches_reference_with_long_rows(dtype: torch.dtype) -> None:
+    """max_query_len 2: the 7-token chunk after a prefix (gather) and the 20-token prompt take SDPA."""
+    q, k, v, (kc, vc), meta = make_step(8, 2, 64, 16, dtype, seed=5)
+    ref_kc, ref_vc = kc.clone(), vc.clone()
+    expected = TorchRefAttention()(q, k, v, ref_kc, ref_vc, meta, 0.125)
+    out = CpuPagedAttention(max_query_len=2)(q, k, v, kc, vc, meta, 0.125)
+    assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+
+
+def test_select_backend() -> None:
+    assert isinstance(select_backend(64, torch.bfloat16), CpuPagedAttention)
+    assert isinstance(select_backend(64, torch.bfloat16, "torch_ref"), TorchRefAttention)
+    assert isinstance(select_backend(512, torch.bfloat16), TorchRefAttention)  # head_dim > 256
+    with pytest.raises(ValueError, match="cannot run here"):
+        select_backend(512, torch.float32, "cpu_paged")
+    with pytest.raises(ValueError, match="must be one of"):
+        select_backend(64, torch.float32, "flash")
 
 
 def assert_matches_rounding(actual: torch.Tensor, expected: torch.Tensor) -> None:

@@ -28,7 +28,7 @@ from tandem.models.quant import (
     quantize_model,
 )
 
-needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"kernels: {kernels.unsupported_reason()}")
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"kernels: {kernels.unavailable_reason()}")
 
 
 def test_int8_round_trip_is_within_half_a_step() -> None:
