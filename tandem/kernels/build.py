@@ -27,8 +27,9 @@ logger = logging.getLogger(__name__)
 SOURCES = ("bindings.cpp", "linear_bf16.cpp", "linear_quant.cpp", "paged_attention.cpp", "elementwise.cpp")
 HEADERS = ("vec.h", "gemm_tile.h")
 CSRC = Path(__file__).resolve().parent / "csrc"
-# avx512_bf16 for vdpbf16ps; avx512bw/vl for masked 16-bit loads.
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+# avx512_bf16 for vdpbf16ps; avx512bw/vl for masked 16-bit loads; dq because -mavx512dq lets the
+# compiler use it (every CPU with avx512_bf16 has the other three).
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16")
 CFLAGS = ("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c")
 # NOTE: at::parallel_for is an OpenMP pragma inlined from ATen's headers: without -fopenmp it runs on
 # one thread. The library links libgomp.so.1 by soname, so it binds to the copy torch already loaded.
