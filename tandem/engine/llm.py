@@ -30,6 +30,8 @@ class LLM:
         kv_cache_gib: KV cache budget in GiB; ``num_blocks`` overrides it.
         speculative_config: a ``SpeculativeConfig`` or a dict of its fields (e.g.
             ``{"method": "draft", "speculative_model": path, "num_speculative_tokens": 4}``); None = off.
+        cpu_bind: "none" (default: this process's threads stay where the OS puts them), "auto" or a
+            core list like "0-3": pin torch's OpenMP threads, one per core (``tandem/worker/cpu_env.py``).
         Other keyword arguments map one to one onto ``CacheConfig`` and ``SchedulerConfig``.
 
     Raises:
@@ -54,6 +56,7 @@ class LLM:
         speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
         quantization: str | None = None,
         progress: bool = True,
+        cpu_bind: str = "none",
     ) -> None:
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig(**speculative_config)
@@ -67,6 +70,7 @@ class LLM:
                                       long_prefill_token_threshold=long_prefill_token_threshold),
             num_threads=num_threads,
             speculative=speculative_config,
+            cpu_bind=cpu_bind,
         )
         frontend = load_frontend(self.config, progress=progress)
         self.model_dir = frontend.model_dir

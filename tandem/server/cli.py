@@ -30,7 +30,8 @@ def add_serve_parser(
 ) -> None:
     """Registers ``serve`` with the engine flags and the server flags (vLLM spelling)."""
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_engine_args(p)
+    # NOTE: the engine core has a process of its own here, so its threads are pinned by default.
+    add_engine_args(p, cpu_bind_default="auto")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="names the API answers to (default: the --model value)")
     p.add_argument("--host", default="127.0.0.1")
@@ -102,11 +103,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tandem.engine.core_client import EngineCoreStartError
     from tandem.server.app import build_app
     from tandem.server.metrics import ServerMetrics
+    from tandem.worker.cpu_env import pin_frontend, plan_cpus
 
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
     logging.getLogger("tandem.requests").setLevel(logging.INFO)
     config = engine_config_from_args(args)
+    plan_cpus(config.cpu_bind, config.num_threads)  # NOTE: a bad --cpu-bind fails here, before the core starts
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     try:
         sock = bind_socket(args.host, args.port)
@@ -122,6 +125,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"tandem: error: {e}", file=sys.stderr)
             return 1
         try:
+            # NOTE: after the spawn: the core inherits the mask of this process and then pins itself.
+            pin_frontend(config.cpu_bind, config.num_threads)
             metrics = ServerMetrics(names[0], core_pid=lambda: engine.client.pid if engine.is_healthy else None)
             engine.metrics = metrics
             app = build_app(engine, names, args.api_key, metrics)

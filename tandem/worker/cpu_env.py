@@ -1,12 +1,32 @@
-"""CPU execution environment of the model runner: torch intra-op threads."""
+"""CPU execution environment of the engine: torch intra-op threads and their pinning to cores.
+
+Pinning follows vLLM's CPU backend (``VLLM_CPU_OMP_THREADS_BIND``, and its older C++
+``init_cpu_threads_env``): OpenMP worker thread i runs on core i of the engine's core list, so
+threads never migrate between cores (cache-warm weights and KV stripes) and the engine's threads
+do not share a core with each other. The front end (HTTP, tokenizing, detokenizing) gets the
+allowed cores the engine does not use, when there are any.
+
+``cpu_bind`` values: ``"none"`` (the OS places threads), ``"auto"`` (every allowed core, except one
+left to the front end when at least ``AUTO_RESERVE_MIN_CORES`` are allowed; with ``num_threads``
+the engine takes the last ``num_threads`` allowed cores), or a core list such as ``"0-3,6"``.
+
+Importing this module does not import torch (the front end validates ``--cpu-bind`` with it).
+"""
 
 from __future__ import annotations
 
+import logging
 import os
-
-import torch
+from dataclasses import dataclass
+from pathlib import Path
 
 from tandem.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# "auto" keeps one core for the front end only from this many allowed cores on: with fewer, the
+# engine's compute is worth more than an idle front end's core (on 2 cores both go to the engine).
+AUTO_RESERVE_MIN_CORES = 4
 
 
 def available_cores() -> int:
@@ -16,16 +36,189 @@ def available_cores() -> int:
     return os.cpu_count() or 1
 
 
-def configure_threads(num_threads: int | None) -> int:
-    """Set torch's intra-op thread count to ``num_threads``, or to every available core when None.
+def allowed_cpus() -> list[int]:
+    """Sorted ids of the CPUs this thread may run on (all of ``os.cpu_count()`` without affinity)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
 
-    Changes: the process-wide ``torch.set_num_threads`` setting. Returns the count set.
+
+def parse_cpu_list(spec: str) -> list[int]:
+    """``"0-3,6"`` -> ``[0, 1, 2, 3, 6]`` (order kept: thread i goes to the i-th id).
 
     Raises:
-        ConfigError: ``num_threads`` is < 1.
+        ConfigError: empty items, non-numbers, reversed ranges, negative or repeated ids.
     """
+    cpus: list[int] = []
+    for item in spec.split(","):
+        item = item.strip()
+        lo, sep, hi = item.partition("-")
+        try:
+            first, last = (int(lo), int(hi)) if sep else (int(item), int(item))
+        except ValueError:
+            raise ConfigError(
+                f"cpu_bind {spec!r}: {item!r} is not a core id or range; use 'auto', 'none' or a list "
+                f"like '0-3,6'") from None
+        if first < 0 or last < first:
+            raise ConfigError(f"cpu_bind {spec!r}: bad range {item!r} (ids are >= 0, ranges go low-high)")
+        cpus.extend(range(first, last + 1))
+    repeated = sorted({c for c in cpus if cpus.count(c) > 1})
+    if repeated:
+        raise ConfigError(f"cpu_bind {spec!r}: core(s) {repeated} listed twice; each thread needs its own core")
+    return cpus
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    """Where the engine's OpenMP threads and the front end run.
+
+    ``engine_cpus``: thread i is pinned to ``engine_cpus[i]`` (None = not pinned);
+    ``num_threads``: the engine's torch/OpenMP thread count; ``frontend_cpus``: the API server's
+    cores (None = not pinned, e.g. when the engine takes every allowed core).
+    """
+
+    engine_cpus: list[int] | None
+    num_threads: int
+    frontend_cpus: list[int] | None
+
+
+def plan_cpus(cpu_bind: str, num_threads: int | None, allowed: list[int] | None = None) -> CpuPlan:
+    """Resolves ``cpu_bind`` (see the module docstring) against the ``allowed`` CPUs (default: ours).
+
+    Raises:
+        ConfigError: a bad list, cores outside ``allowed``, ``num_threads`` < 1, more threads than
+            allowed cores under "auto", or ``num_threads`` different from the length of the list.
+    """
+    allowed = allowed_cpus() if allowed is None else sorted(allowed)
     if num_threads is not None and num_threads < 1:
         raise ConfigError(f"num_threads must be >= 1, got {num_threads}")
-    n = num_threads if num_threads is not None else available_cores()
-    torch.set_num_threads(n)
-    return n
+    mode = cpu_bind.strip().lower()
+    if mode == "none":
+        return CpuPlan(None, num_threads if num_threads is not None else len(allowed), None)
+    if mode == "auto":
+        if num_threads is not None:
+            if num_threads > len(allowed):
+                raise ConfigError(f"cpu_bind 'auto' with num_threads {num_threads}: only {len(allowed)} "
+                                  f"core(s) {allowed} are allowed; one thread per core")
+            engine = allowed[len(allowed) - num_threads:]
+        elif len(allowed) >= AUTO_RESERVE_MIN_CORES:
+            engine = allowed[1:]
+        else:
+            engine = list(allowed)
+    else:
+        engine = parse_cpu_list(cpu_bind)
+        outside = [c for c in engine if c not in allowed]
+        if outside:
+            raise ConfigError(f"cpu_bind {cpu_bind!r}: core(s) {outside} are not available to this process "
+                              f"(allowed: {allowed})")
+        if num_threads is not None and num_threads != len(engine):
+            raise ConfigError(f"num_threads {num_threads} does not match cpu_bind {cpu_bind!r} "
+                              f"({len(engine)} cores); the thread count comes from the core list, drop one")
+    rest = [c for c in allowed if c not in engine]
+    return CpuPlan(engine, len(engine), rest or None)
+
+
+def thread_ids() -> list[int]:
+    """Kernel thread ids (``/proc/self/task``) of every thread of this process."""
+    return sorted(int(p.name) for p in Path("/proc/self/task").iterdir())
+
+
+def set_process_affinity(cpus: list[int]) -> None:
+    """Restricts every current thread of this process to ``cpus`` (threads started later inherit the
+    mask of the thread that starts them). Changes: the OS affinity of all threads.
+
+    Raises:
+        OSError: a core is offline or outside the cgroup's cpuset.
+    """
+    for tid in thread_ids():
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+
+
+def bind_engine_threads(cpus: list[int]) -> str:
+    """Pins OpenMP (torch intra-op) thread i to ``cpus[i]`` and sets ``len(cpus)`` threads.
+
+    First every thread of the process is restricted to ``cpus`` (ZeroMQ, tokenizer or loader
+    threads included); then, with the compiled kernels, ``threads.cpp`` runs one OpenMP region in
+    which thread i pins itself to ``cpus[i]``. Without the kernels only the process-wide mask applies.
+    Returns "per-thread" or "process". Changes: torch's thread count and the OS affinity of the threads.
+
+    Raises:
+        ConfigError: the OS refused the mask (e.g. the cores are outside the container's cpuset).
+    """
+    import torch
+
+    from tandem.kernels.build import load_extension
+
+    try:
+        set_process_affinity(cpus)
+    except OSError as e:
+        raise ConfigError(f"cannot pin the engine to cores {cpus}: {e.strerror or e}") from e
+    torch.set_num_threads(len(cpus))
+    ext = load_extension()
+    if ext is None or not hasattr(ext, "bind_omp_threads"):
+        return "process"
+    ext.bind_omp_threads(cpus)
+    return "per-thread"
+
+
+def omp_thread_cpus() -> dict[int, list[int]]:
+    """``{tid: [cpu, ...]}`` of the OpenMP team of a region with ``torch.get_num_threads()`` threads, as
+    the OS reports each thread's affinity (``os.sched_getaffinity``); needs the compiled kernels.
+
+    Raises:
+        RuntimeError: the kernels are not available.
+    """
+    import torch
+
+    from tandem.kernels.build import load_extension
+
+    ext = load_extension()
+    if ext is None or not hasattr(ext, "omp_thread_ids"):
+        raise RuntimeError("omp_thread_cpus needs the compiled kernels")
+    tids = ext.omp_thread_ids(torch.get_num_threads())
+    return {tid: sorted(os.sched_getaffinity(tid)) for tid in tids}
+
+
+def configure_threads(num_threads: int | None, cpu_bind: str = "none") -> int:
+    """Sets torch's intra-op thread count and pins the threads as ``cpu_bind`` says (``plan_cpus``).
+
+    With ``cpu_bind="none"``: ``num_threads`` threads, or one per available core when None.
+    Changes: the process-wide ``torch.set_num_threads`` setting and, when pinning, thread affinities.
+    Returns the thread count set.
+
+    Raises:
+        ConfigError: ``num_threads`` is < 1, or a bad or unusable ``cpu_bind`` (see ``plan_cpus``).
+    """
+    import torch
+
+    plan = plan_cpus(cpu_bind, num_threads)
+    if plan.engine_cpus is None:
+        torch.set_num_threads(plan.num_threads)
+        return plan.num_threads
+    how = bind_engine_threads(plan.engine_cpus)
+    logger.info("engine: %d OpenMP thread(s) pinned to cores %s (%s)", plan.num_threads, plan.engine_cpus, how)
+    return plan.num_threads
+
+
+def pin_frontend(cpu_bind: str, num_threads: int | None) -> list[int] | None:
+    """Moves this (front-end) process onto the allowed cores the engine does not use, if any.
+
+    Call it after the engine process was started (it inherits the mask of its parent at spawn).
+    Returns the cores set, or None when the plan leaves the front end unpinned.
+
+    Raises:
+        ConfigError: a bad ``cpu_bind`` (see ``plan_cpus``).
+    """
+    plan = plan_cpus(cpu_bind, num_threads)
+    if plan.frontend_cpus is None or plan.engine_cpus is None:
+        return None
+    try:
+        set_process_affinity(plan.frontend_cpus)
+    except OSError as e:
+        logger.warning("could not pin the front end to cores %s: %s", plan.frontend_cpus, e)
+        return None
+    logger.info("front end pinned to cores %s", plan.frontend_cpus)
+    return plan.frontend_cpus

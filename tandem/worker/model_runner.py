@@ -80,7 +80,7 @@ class ModelRunner:
         backend: AttentionBackend | None = None,
         progress: bool = True,
     ) -> None:
-        self.num_threads = configure_threads(engine_config.num_threads)
+        self.num_threads = configure_threads(engine_config.num_threads, engine_config.cpu_bind)
         self.config = engine_config
         self.hf_config = load_hf_config(model_dir)
         self.max_model_len = resolve_context_len(engine_config.model.max_model_len, self.hf_config)

@@ -11,6 +11,8 @@ at::Tensor dequantize(at::Tensor qweight, at::Tensor scale);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor silu_and_mul(at::Tensor x);
+std::vector<int64_t> bind_omp_threads(const std::vector<int64_t>& cpus);
+std::vector<int64_t> omp_thread_ids(int64_t n);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "y = x @ w.T (+ bias), bf16, AVX-512 BF16", py::arg("x"), py::arg("w"),
@@ -24,4 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim of [R, dim]");
   m.def("rotary", &rotary, "rotate-half rotary embedding of [T, H, D]");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]");
+  m.def("bind_omp_threads", &bind_omp_threads, "pin OpenMP thread i to cpus[i]; returns the thread ids",
+        py::arg("cpus"));
+  m.def("omp_thread_ids", &omp_thread_ids, "thread ids of an n-thread OpenMP team", py::arg("n"));
 }
