@@ -1,9 +1,9 @@
 """Start-up time side by side: ``tandem serve`` vs vLLM CPU's OpenAI server, same model folder.
 
 Measures wall time from launching the server process to the first successfully answered request
-(``POST /v1/completions``, 1 token), alternating the servers, ``--repeats`` times each. Every server
-runs in its own process group, which is killed (SIGTERM, then SIGKILL) before the next one starts and
-in ``finally``, so no server outlives the script.
+(``POST /v1/completions``, 3 prompt token ids, 1 new token), alternating the servers, ``--repeats``
+times each. Every server runs in its own process group, which is killed (SIGTERM, then SIGKILL)
+before the next one starts and in ``finally``, so no server outlives the script.
 
 vLLM CPU runs from its own virtualenv (``--vllm-python``; its ``vllm`` console script fails on package
 metadata there, so it is started as ``python -m vllm.entrypoints.openai.api_server``) with its CPU
@@ -71,8 +71,9 @@ def tandem_env(kernel_cache: str | None) -> dict[str, str]:
 
 
 def answered(port: int) -> bool:
-    """True when the server answered one completion request with 200."""
-    body = json.dumps({"model": SERVED_NAME, "prompt": "Hello", "max_tokens": 1, "temperature": 0}).encode()
+    """True when the server answered one completion request (3 prompt token ids, 1 new token) with 200."""
+    # NOTE: token ids, not text: the benchmark checkpoints' synthetic tokenizers may turn "Hello" into no tokens
+    body = json.dumps({"model": SERVED_NAME, "prompt": [100, 200, 300], "max_tokens": 1, "temperature": 0}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     try:

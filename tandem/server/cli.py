@@ -96,15 +96,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ValueError / FileNotFoundError: bad flags or model (the CLI prints them and exits 2).
     Returns 1 when the port cannot be bound or the engine-core process fails while loading the model.
     """
-    import uvicorn
-
     from tandem.cli import engine_config_from_args
-    from tandem.engine.async_llm import AsyncLLM
-    from tandem.engine.core_client import EngineCoreStartError
-    from tandem.server.app import build_app
-    from tandem.server.metrics import ServerMetrics
+    from tandem.engine.core_client import EngineCoreClient, EngineCoreStartError
+    from tandem.engine.loading import load_chat_template
+    from tandem.models.resolve import resolve_model_path
     from tandem.worker.cpu_env import pin_frontend, plan_cpus
 
+    t0 = time.monotonic()
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
     logging.getLogger("tandem.requests").setLevel(logging.INFO)
@@ -116,14 +114,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"tandem: error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 1
-    t0 = time.monotonic()
     log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     try:
+        load_chat_template(config.model.chat_template)  # NOTE: a bad --chat-template fails before the core starts
+        # NOTE: the core is spawned before the front end imports FastAPI, uvicorn and transformers (which
+        # imports torch): those imports and the tokenizer load then overlap the core's model load.
+        client = EngineCoreClient.start(resolve_model_path(config.model.model), config, log_level)
         try:
-            engine = AsyncLLM.from_config(config, log_requests=args.log_requests, log_level=log_level)
+            import uvicorn
+
+            from tandem.engine.async_llm import AsyncLLM
+            from tandem.engine.loading import load_frontend
+            from tandem.server.app import build_app
+            from tandem.server.metrics import ServerMetrics
+
+            frontend = load_frontend(config)
+            logger.info("front end ready in %.1f s; waiting for the engine core", time.monotonic() - t0)
+            client.wait_ready()
         except EngineCoreStartError as e:
+            client.close()
             print(f"tandem: error: {e}", file=sys.stderr)
             return 1
+        except BaseException:
+            client.close()
+            raise
+        engine = AsyncLLM(frontend, client, log_requests=args.log_requests,
+                          max_queue_len=config.scheduler.max_queue_len)
         try:
             # NOTE: after the spawn: the core inherits the mask of this process and then pins itself.
             pin_frontend(config.cpu_bind, config.num_threads)
