@@ -62,9 +62,9 @@ def vllm_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def tandem_env(kernel_cache: str | None) -> dict[str, str]:
+def tandem_env(kernel_cache: str | None, repo: Path = REPO) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = str(repo) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if kernel_cache is not None:
         env["TANDEM_KERNEL_CACHE"] = kernel_cache
     return env
@@ -105,8 +105,26 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait(10)
 
 
-def time_startup(cmd: list[str], env: dict[str, str], port: int, timeout_s: float, log: Path) -> float | None:
-    """Seconds from launch to the first answered request; None if the server died or timed out."""
+def group_cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds used so far by the live processes of group ``pgid`` (and the children
+    they have reaped), from ``/proc/<pid>/stat``: a load-independent companion to the wall time."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid:  # fields[2] is pgrp; utime, stime, cutime, cstime follow at 11..14
+            total += sum(int(f) for f in fields[11:15])
+    return total / tick
+
+
+def time_startup(
+    cmd: list[str], env: dict[str, str], port: int, timeout_s: float, log: Path
+) -> tuple[float, float] | None:
+    """(wall s, CPU s of the server's processes) from launch to the first answered request; None if the
+    server died or timed out."""
     with open(log, "w") as out:
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -116,7 +134,7 @@ def time_startup(cmd: list[str], env: dict[str, str], port: int, timeout_s: floa
                 if proc.poll() is not None:
                     return None
                 if answered(port):
-                    return time.perf_counter() - t0
+                    return time.perf_counter() - t0, group_cpu_seconds(proc.pid)
                 time.sleep(0.1)
             return None
         finally:
@@ -142,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--cold-kernels", action="store_true",
                    help="first Tandem run with an empty kernel cache (includes the one-time kernel build)")
+    p.add_argument("--baseline-repo", type=Path, default=None,
+                   help="also time `tandem serve` from this source tree (e.g. `git archive` of an older commit)")
     p.add_argument("--tandem-arg", action="append", default=[], help="extra tandem serve flag (repeatable)")
     p.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM server flag (repeatable)")
     p.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "tandem-startup-bench")
@@ -151,30 +171,43 @@ def main(argv: list[str] | None = None) -> int:
     use_vllm = not args.skip_vllm and args.vllm_python.is_file()
     if not args.skip_vllm and not use_vllm:
         print(f"vLLM python {args.vllm_python} not found; measuring Tandem only", file=sys.stderr)
-    results: dict[str, list[float | None]] = {"tandem": [], "vllm": []}
+    results: dict[str, list[float | None]] = {"tandem": [], "tandem-baseline": [], "vllm": []}
+    cpu: dict[str, list[float]] = {name: [] for name in results}
     labels: list[str] = []
     cold_dir = tempfile.mkdtemp(prefix="tandem-kernels-cold-") if args.cold_kernels else None
     print(f"model {args.model}; load average before: {load_average()}", flush=True)
     for i in range(args.repeats):
         runs = [("tandem", tandem_command(args, args.port), tandem_env(cold_dir if i == 0 else None))]
+        if args.baseline_repo is not None:
+            runs.append(("tandem-baseline", tandem_command(args, args.port), tandem_env(None, args.baseline_repo)))
         if use_vllm:
             runs.append(("vllm", vllm_command(args, args.port), vllm_env(args)))
         if i % 2 == 1:
             runs.reverse()  # alternate which server goes first
         for name, cmd, env in runs:
             log = args.log_dir / f"{name}-{i}.log"
-            seconds = time_startup(cmd, env, args.port, args.timeout, log)
+            timed = time_startup(cmd, env, args.port, args.timeout, log)
+            seconds = None if timed is None else timed[0]
             results[name].append(seconds)
-            label = "cold kernels" if name == "tandem" and i == 0 and cold_dir else ("first" if i == 0 else "warm")
+            if timed is not None:
+                cpu[name].append(timed[1])
+            label = "cold kernels" if name == "tandem" and i == 0 and cold_dir else ("first" if i == 0 else "again")
             labels.append(f"{name} #{i} ({label})")
-            shown = f"{seconds:.1f} s" if seconds is not None else f"FAILED (see {log})"
-            print(f"{name:7s} run {i} ({label}): {shown}; load {load_average()}", flush=True)
+            shown = f"{timed[0]:.1f} s ({timed[1]:.1f} CPU s)" if timed is not None else f"FAILED (see {log})"
+            print(f"{name:15s} run {i} ({label}): {shown}; load {load_average()}", flush=True)
     summary = {}
     for name, values in results.items():
+        if name == "tandem" and cold_dir:
+            print(f"tandem with cold kernels (one-time build included): {values[0]}")
+            values = values[1:]  # NOTE: the ratio compares warm start-ups
         ok = [v for v in values if v is not None]
         if ok:
-            summary[name] = {"runs": values, "median_s": statistics.median(ok), "min_s": min(ok)}
-            print(f"{name}: median {statistics.median(ok):.1f} s, min {min(ok):.1f} s over {len(ok)} run(s)")
+            cpu_ok = cpu[name][1:] if name == "tandem" and cold_dir else cpu[name]
+            summary[name] = {"runs": values, "median_s": statistics.median(ok), "min_s": min(ok),
+                             "cpu_s": cpu[name], "median_cpu_s": statistics.median(cpu_ok) if cpu_ok else None}
+            shown_cpu = f", median {statistics.median(cpu_ok):.1f} CPU s" if cpu_ok else ""
+            print(f"{name}: median {statistics.median(ok):.1f} s, min {min(ok):.1f} s over {len(ok)} run(s)"
+                  f"{shown_cpu}")
     if "tandem" in summary and "vllm" in summary:
         ratio = summary["tandem"]["median_s"] / summary["vllm"]["median_s"]
         summary["ratio_tandem_over_vllm"] = ratio
