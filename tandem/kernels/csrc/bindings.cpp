@@ -11,6 +11,11 @@ at::Tensor dequantize(at::Tensor qweight, at::Tensor scale);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor silu_and_mul(at::Tensor x);
+at::Tensor linear_q8_0(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::optional<at::Tensor> bias);
+at::Tensor linear_q4_1(at::Tensor x, at::Tensor qweight, at::Tensor scale, at::Tensor mins,
+                       c10::optional<at::Tensor> bias);
+at::Tensor dequantize_q8_0(at::Tensor qweight, at::Tensor scale);
+at::Tensor dequantize_q4_1(at::Tensor qweight, at::Tensor scale, at::Tensor mins);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "y = x @ w.T (+ bias), bf16, AVX-512 BF16", py::arg("x"), py::arg("w"),
@@ -24,4 +29,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim of [R, dim]");
   m.def("rotary", &rotary, "rotate-half rotary embedding of [T, H, D]");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]");
+  m.def("linear_q8_0", &linear_q8_0, "y = x @ (q * scale).T (+ bias), GGUF Q8_0 group-32 int8 weights",
+        py::arg("x"), py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none());
+  m.def("linear_q4_1", &linear_q4_1, "y = x @ (u * scale + min).T (+ bias), GGUF Q4_1 group-32 weights",
+        py::arg("x"), py::arg("qweight"), py::arg("scale"), py::arg("mins"), py::arg("bias") = py::none());
+  m.def("dequantize_q8_0", &dequantize_q8_0, "bf16 weight of a q8_0 layer");
+  m.def("dequantize_q4_1", &dequantize_q4_1, "bf16 weight of a q4_1 layer");
 }
