@@ -105,7 +105,9 @@ def dequantize_weight(
     raise ValueError(f"quantized format must be one of {FORMATS}, got {method!r}")
 
 
-def quantized_shapes(method: str, out_features: int, in_features: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def quantized_shapes(
+    method: str, out_features: int, in_features: int
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """``{buffer name: (shape, dtype)}`` of a ``method`` layer with weight ``[out_features, in_features]``.
 
     Raises:

@@ -21,9 +21,9 @@ from tandem.config import ConfigError, ModelConfig
 from tandem.models.layers import Linear
 from tandem.models.quant import (
     QuantizedLinear,
-    dequantize_weight,
     dequantize_int4,
     dequantize_int8,
+    dequantize_weight,
     quantize_int4,
     quantize_int8,
     quantize_model,
