@@ -38,6 +38,12 @@ using tandem::lane_mask;
 
 constexpr int64_t kChunk = 1024;  // columns dequantized at a time: 4 rows x 2 KB stay in L1
 
+// dst[0, 16) = float(src[0, n)) (n <= 16; lanes past n are 0): a scalar at::Half conversion is a
+// software routine that costs about as much as dequantizing a group, so scales convert 16 at a time.
+inline void halves_to_floats(const at::Half* src, int64_t n, float* dst) {
+  _mm512_store_ps(dst, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lane_mask(n), src)));
+}
+
 struct Int8Rows {
   const int8_t* q;
   int64_t K;
@@ -67,13 +73,18 @@ struct Int4Rows {
     const uint8_t* src = q + row * (K / 2) + k0 / 2;
     const uint8_t* pf = pf_row >= 0 ? q + pf_row * (K / 2) + k0 / 2 : nullptr;
     const at::Half* s = scale + row * (K / 32) + k0 / 32;
+    const at::Half* mn = mins != nullptr ? mins + row * (K / 32) + k0 / 32 : nullptr;
     const __m512i low4 = _mm512_set1_epi32(0xF);
+    alignas(64) float ds[16], ms[16];
     for (int64_t g = 0; g < n / 32; ++g) {
+      if (g % 16 == 0) {
+        halves_to_floats(s + g, n / 32 - g, ds);
+        if (mn != nullptr) halves_to_floats(mn + g, n / 32 - g, ms);
+      }
       if (pf != nullptr && (g & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(pf + 16 * g), _MM_HINT_T0);
       const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * g)));
-      const float d = static_cast<float>(s[g]);
-      const float o = mins != nullptr ? static_cast<float>(mins[row * (K / 32) + k0 / 32 + g]) : -8.0f * d;
-      const __m512 dv = _mm512_set1_ps(d), off = _mm512_set1_ps(o);
+      const float d = ds[g % 16];
+      const __m512 dv = _mm512_set1_ps(d), off = _mm512_set1_ps(mn != nullptr ? ms[g % 16] : -8.0f * d);
       __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low4)), dv, off);
       __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), dv, off);
       _mm512_storeu_si512(dst + 32 * g, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
@@ -90,9 +101,11 @@ struct Q80Rows {
     const int8_t* src = q + row * K + k0;
     const int8_t* pf = pf_row >= 0 ? q + pf_row * K + k0 : nullptr;
     const at::Half* s = scale + row * (K / 32) + k0 / 32;
+    alignas(64) float ds[16];
     for (int64_t g = 0; g < n / 32; ++g) {
+      if (g % 16 == 0) halves_to_floats(s + g, n / 32 - g, ds);
       if (pf != nullptr && (g & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(pf + 32 * g), _MM_HINT_T0);
-      const __m512 dv = _mm512_set1_ps(static_cast<float>(s[g]));
+      const __m512 dv = _mm512_set1_ps(ds[g % 16]);
       const __m512 lo = _mm512_mul_ps(
           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32 * g)))),
           dv);
@@ -105,18 +118,31 @@ struct Q80Rows {
 };
 
 // One token, q8_0, one row: per group of 32, the fp32 dot product of the int8 bytes with x, then
-// scaled by the group's d (two accumulators over alternating groups hide the FMA latency).
+// scaled by the group's d (two accumulators over alternating groups hide the FMA latency). Scales are
+// converted from fp16 16 at a time (a scalar at::Half conversion per group costs as much as the group).
+inline __m512 q8_0_group(const int8_t* b, const float* x) {  // sum of the 32 products, in 16 lanes
+  const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b))));
+  const __m512 w1 =
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16))));
+  return _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(x)));
+}
+
+// NOTE: named accumulators, not an array indexed by g & 1, which GCC keeps on the stack (2x slower).
 inline float q8_0_row_one_token(const int8_t* q, const at::Half* scale, int64_t K, const float* x32) {
-  __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-  for (int64_t g = 0; g < K / 32; ++g) {
-    const int8_t* b = q + 32 * g;
-    const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b))));
-    const __m512 w1 =
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16))));
-    const __m512 t = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x32 + 32 * g + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(x32 + 32 * g)));
-    acc[g & 1] = _mm512_fmadd_ps(t, _mm512_set1_ps(static_cast<float>(scale[g])), acc[g & 1]);
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  const int64_t groups = K / 32;
+  alignas(64) float d[16];
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+    halves_to_floats(scale + g0, groups - g0, d);
+    const int64_t g_end = std::min<int64_t>(groups, g0 + 16);
+    int64_t g = g0;
+    for (; g + 2 <= g_end; g += 2) {
+      acc0 = _mm512_fmadd_ps(q8_0_group(q + 32 * g, x32 + 32 * g), _mm512_set1_ps(d[g - g0]), acc0);
+      acc1 = _mm512_fmadd_ps(q8_0_group(q + 32 * g + 32, x32 + 32 * g + 32), _mm512_set1_ps(d[g + 1 - g0]), acc1);
+    }
+    if (g < g_end) acc0 = _mm512_fmadd_ps(q8_0_group(q + 32 * g, x32 + 32 * g), _mm512_set1_ps(d[g - g0]), acc0);
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1]));
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
 void run_q8_0_one_token(const int8_t* q, const at::Half* scale, const at::Tensor& x, int64_t N, int64_t K,
