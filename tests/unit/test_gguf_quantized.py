@@ -3,7 +3,7 @@
 Tiny random llama (tied LM head) and qwen2 (untied) models are written as GGUF like llama.cpp
 (helpers of test_gguf_convert.py), converted twice (codes kept; everything dequantized) and loaded by
 Tandem. Checked: the modules hold the file's exact codes (Q/K rows un-permuted), logits match the
-dequantize-everything path (float32: up to summation order; bf16: within the bound stated in the test),
+dequantize-everything path (float32: same weights, measured equal; bf16: within the bounds stated in the test),
 greedy tokens are equal, mixed fused projections fall back to float, and ``--quantization`` keeps them.
 """
 
@@ -107,11 +107,13 @@ def test_logits_and_greedy_tokens_match_the_dequantized_path(tmp_path, bpe, arch
     # float32: both paths multiply by the same float32 weights (u * d + m computed like gguf-py).
     kept32, deq32 = runner(kept, "float32").prompt_logits(PROMPT), runner(dequantized, "float32").prompt_logits(PROMPT)
     torch.testing.assert_close(kept32, deq32, rtol=1e-5, atol=1e-5 * deq32.abs().max().item())
-    # bf16: the kernels multiply the exact codes; the other path rounds each weight to bf16 (2^-9 relative)
-    # and both round activations to bf16 between layers: measured ~0.5%, bound 3% of the logits' norm.
+    # bf16: activations are rounded to bf16 between layers on both paths, which dominates (measured 1.8-2.3%
+    # of the float32 logits' norm, bound 4%). For 14 tokens both paths round the weights to bf16 and share
+    # the micro-kernel (measured equal); the bound allows the one-token kernels' exact products too.
     kept16, deq16 = runner(kept).prompt_logits(PROMPT), runner(dequantized).prompt_logits(PROMPT)
-    assert (kept16 - deq32).norm() / deq32.norm() < 0.03
-    assert (deq16 - deq32).norm() / deq32.norm() < 0.03
+    assert (kept16 - deq32).norm() / deq32.norm() < 0.04
+    assert (deq16 - deq32).norm() / deq32.norm() < 0.04
+    assert (kept16 - deq16).norm() / deq32.norm() < 0.01
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     tokens = [
         list(LLM(str(folder), progress=False).generate([{"prompt_token_ids": PROMPT}], params)[0].outputs[0].token_ids)
