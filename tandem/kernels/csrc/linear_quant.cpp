@@ -239,9 +239,10 @@ inline float int4_row_one_token(const uint8_t* q, const at::Half* scale, int64_t
     t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_maskz_loadu_epi16(0xFFFF, x + 32 * g + 16), (__m512bh)hi);
     acc = _mm512_fmadd_ps(t, _mm512_set1_ps(static_cast<float>(scale[g])), acc);
   }
+  // NOTE: one horizontal sum per row (each costs about as much as a pair of groups on short rows).
   if (mins != nullptr)
-    return _mm512_reduce_add_ps(acc) - 128.0f * _mm512_reduce_add_ps(corr) + _mm512_reduce_add_ps(corr_min);
-  return _mm512_reduce_add_ps(acc) - 136.0f * _mm512_reduce_add_ps(corr);
+    return _mm512_reduce_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(-128.0f), corr, _mm512_add_ps(acc, corr_min)));
+  return _mm512_reduce_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(-136.0f), corr, acc));
 }
 
 void run_int4_one_token(const uint8_t* q, const at::Half* scale, const at::Tensor& x, int64_t N, int64_t K,
