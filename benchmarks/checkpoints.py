@@ -122,8 +122,17 @@ def _write_vocab(writer, vocab_size: int, bos_id: int, eos_id: int) -> None:  # 
     writer.add_add_bos_token(False)
 
 
+# GGUF types write_gguf makes for 2-D weights -> (GGML type name, llama.cpp file type name).
+GGUF_TYPES = {
+    "bf16": ("BF16", "MOSTLY_BF16"),
+    "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
+    "q4_0": ("Q4_0", "MOSTLY_Q4_0"),
+    "q4_1": ("Q4_1", "MOSTLY_Q4_1"),
+}
+
+
 def write_gguf(hf_dir: Path, path: Path, qtype: str = "bf16") -> Path:
-    """Write the checkpoint in ``hf_dir`` as a GGUF file with 2-D weights in ``qtype`` (bf16 or q8_0).
+    """Write the checkpoint in ``hf_dir`` as a GGUF file with 2-D weights in ``qtype`` (``GGUF_TYPES``).
 
     1-D tensors (norms, biases) stay F32, as llama.cpp's converter writes them. Reuses ``path``
     when it exists. Returns ``path``.
@@ -136,8 +145,9 @@ def write_gguf(hf_dir: Path, path: Path, qtype: str = "bf16") -> Path:
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    if qtype not in ("bf16", "q8_0"):
-        raise ValueError(f"qtype must be bf16 or q8_0, got {qtype!r}")
+    if qtype not in GGUF_TYPES:
+        raise ValueError(f"qtype must be one of {sorted(GGUF_TYPES)}, got {qtype!r}")
+    ggml_type, file_type = GGUF_TYPES[qtype]
     path = Path(path)
     if path.is_file():
         return path
@@ -156,7 +166,7 @@ def write_gguf(hf_dir: Path, path: Path, qtype: str = "bf16") -> Path:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(cfg.vocab_size)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if qtype == "bf16" else gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
     _write_vocab(writer, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
     state = {}
@@ -174,7 +184,8 @@ def write_gguf(hf_dir: Path, path: Path, qtype: str = "bf16") -> Path:
             array = torch.from_numpy(data).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8)
             raw = Q.BF16
         else:
-            array, raw = gguf.quants.quantize(data, Q.Q8_0), Q.Q8_0
+            raw = getattr(Q, ggml_type)
+            array = gguf.quants.quantize(data, raw)
         writer.add_tensor(f"{names.get_name(base)}.{suffix}", array, raw_dtype=raw)
     freqs = _rope_freqs(cfg)
     if freqs is not None:
@@ -195,7 +206,8 @@ def weight_bytes(hf_dir: Path) -> int:
         with safe_open(str(f), framework="pt") as h:
             for name in h.keys():
                 sl = h.get_slice(name)
-                total += int(np.prod(sl.get_shape())) * {"BF16": 2, "F16": 2, "F32": 4}[sl.get_dtype()]
+                itemsize = {"BF16": 2, "F16": 2, "F32": 4, "I8": 1, "U8": 1}[sl.get_dtype()]
+                total += int(np.prod(sl.get_shape())) * itemsize
     return total
 
 

@@ -14,7 +14,9 @@ Tandem's engine core and llama.cpp's eval loop are timed step by step; transform
 t(n) - t(1) (it has no step API), which is noisier.
 llama.cpp (``--llama-cpp``) runs in a persistent worker process of a llama-cpp-python virtualenv that
 this script creates (compiling llama.cpp takes minutes the first time), on GGUF files (BF16, Q8_0)
-written from the same checkpoint.
+written from the same checkpoint. ``--tandem-gguf q8_0`` adds Tandem rows that load such a GGUF file
+(converted once into $TANDEM_CACHE, its Q8_0/Q4_0/Q4_1 weights kept quantized), to compare with
+llama.cpp on the same file.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from checkpoints import SHAPES, make_checkpoint, weight_bytes, write_gguf  # noqa: E402
+from checkpoints import GGUF_TYPES, SHAPES, make_checkpoint, weight_bytes, write_gguf  # noqa: E402
 
 CACHE = Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem"))
 WORKER = Path(__file__).resolve().parent / "llama_cpp_worker.py"
@@ -67,11 +69,12 @@ class TandemBackend:
     """Tandem's engine core stepped directly (as the engine process does when serving): the first
     step prefills every prompt and samples its first token, the others decode. No detokenization."""
 
-    def __init__(self, path: Path, threads: int, batch: int, quantization: str | None, clock: str) -> None:
+    def __init__(self, path: Path, threads: int, batch: int, quantization: str | None, clock: str,
+                 name: str | None = None) -> None:
         from tandem import LLM
 
         self.clock = CLOCKS[clock]
-        self.name = f"tandem-{quantization}" if quantization else "tandem"
+        self.name = name or (f"tandem-{quantization}" if quantization else "tandem")
         kwargs = {"quantization": quantization} if quantization else {}
         llm = LLM(model=str(path), dtype="bfloat16", max_model_len=1024, kv_cache_gib=0.25, max_num_seqs=batch,
                   max_num_batched_tokens=2048, enable_prefix_caching=False, num_threads=threads, progress=False,
@@ -195,6 +198,10 @@ def bench_shape(shape: str, args, work: Path) -> dict[str, dict[str, list[float]
     backends: list = []
     for q in args.tandem_quant:
         backends.append(TandemBackend(hf_dir, args.threads, args.batch, None if q == "none" else q, args.clock))
+    for qtype in args.tandem_gguf:
+        gguf_path = write_gguf(hf_dir, work / shape / f"model-{qtype}.gguf", qtype)
+        backends.append(TandemBackend(gguf_path, args.threads, args.batch, None, args.clock,
+                                      name=f"tandem GGUF {qtype.upper()}"))
     if not args.no_hf:
         backends.append(hf_backend(hf_dir, args.threads, args.clock))
     if args.llama_cpp:
@@ -251,6 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tandem-quant", nargs="+", default=["none"], choices=["none", "int8", "int4"],
                    help="Tandem rows to measure: bf16 (none) and/or weight-only quantized")
+    p.add_argument("--tandem-gguf", nargs="+", default=[], choices=list(GGUF_TYPES),
+                   help="Tandem rows loading the checkpoint written as GGUF of these types (weights kept quantized)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--hf-batch", action="store_true", help="also measure transformers at --batch sequences")
     p.add_argument("--llama-cpp", action="store_true", help="also measure llama.cpp (builds a venv once)")

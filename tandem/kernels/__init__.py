@@ -120,3 +120,43 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[:, :d]) * x[:, d:]`` for ``x [R, 2d]`` -> ``[R, d]``."""
     return load_extension().silu_and_mul(x)
+
+
+__all__ += ["dequantize_q4_1", "dequantize_q8_0", "linear_q4_1", "linear_q8_0"]
+
+
+def linear_q8_0(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x [M, K] bf16 @ (qweight [N, K] int8 * scale [N, K/32] fp16 per group of 32).T (+ bias)`` -> ``[M, N]``.
+
+    llama.cpp's Q8_0 blocks (ggml-quants.c ``dequantize_row_q8_0``) split into codes and scales.
+
+    Raises:
+        RuntimeError: K is not a multiple of 32, or wrong dtypes/shapes (raised by the kernel).
+    """
+    return load_extension().linear_q8_0(x, qweight, scale, bias)
+
+
+def linear_q4_1(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x [M, K] bf16 @ (u * scale + mins).T (+ bias)`` -> ``[M, N]`` bf16, u the nibbles of ``qweight``.
+
+    ``qweight [N, K/2]`` uint8 in Q4_0's nibble layout (u in 0..15, no offset), ``scale, mins [N, K/32]``
+    fp16: llama.cpp's Q4_1 blocks (ggml-quants.c ``dequantize_row_q4_1``).
+
+    Raises:
+        RuntimeError: K is not a multiple of 32, or wrong dtypes/shapes (raised by the kernel).
+    """
+    return load_extension().linear_q4_1(x, qweight, scale, mins, bias)
+
+
+def dequantize_q8_0(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The bf16 weight ``[N, K]`` (``bf16(q * scale)``) of a q8_0 layer (format as in ``linear_q8_0``)."""
+    return load_extension().dequantize_q8_0(qweight, scale)
+
+
+def dequantize_q4_1(qweight: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The bf16 weight ``[N, K]`` (``bf16(u * scale + mins)``) of a q4_1 layer (format as in ``linear_q4_1``)."""
+    return load_extension().dequantize_q4_1(qweight, scale, mins)

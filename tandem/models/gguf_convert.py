@@ -1,7 +1,17 @@
 """Convert a llama.cpp GGUF file into a Hugging Face checkpoint folder.
 
 The folder holds `config.json`, `model.safetensors`, `tokenizer.json`, `tokenizer_config.json` and
-`generation_config.json`, so Tandem's safetensors loader (and transformers) read it like any HF checkpoint.
+`generation_config.json`, so Tandem's safetensors loader reads it like any HF checkpoint.
+
+Linear weights in Q8_0, Q4_0 or Q4_1 are kept as the file's blocks, split into codes and scales
+(`tandem/models/quant.py` formats q8_0, int4, q4_1): `<module>.qweight`, `<module>.scale` and, for Q4_1,
+`<module>.mins` instead of `<module>.weight`; config.json lists them under `QUANTIZED_KEY`
+(`{"version": 1, "modules": {hf module name: format}}`) and the loader builds `QuantizedLinear` modules
+from them. A tied LM head whose embedding table is Q8_0/Q4_0/Q4_1 gets its own `lm_head.*` codes from
+the table's blocks (the decode step reads the head's bytes once per token; the table itself is stored
+dequantized for lookups). Other block types (Q4_K, Q6_K, ...) and embedding tables are dequantized to
+F32 (exact); F32/F16/BF16 tensors are copied in their own dtype. With `keep_quantized=False` every
+block type is dequantized, which transformers can read too.
 
 Sources: the GGUF spec (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md); llama.cpp's
 `convert_hf_to_gguf.py` (metadata keys, tensor names, the Q/K row permutation of `LlamaModel.permute`,
@@ -57,8 +67,22 @@ _KEPT_TYPES = {
     GGMLQuantizationType.F16: "F16",
     GGMLQuantizationType.BF16: "BF16",
 }
-_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2}
+_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1}
 _TORCH_DTYPE = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+# config.json key listing the linear layers stored quantized (read by tandem.models.loader).
+QUANTIZED_KEY = "tandem_quantized"
+QUANTIZED_VERSION = 1
+# Block types kept as they are -> QuantizedLinear format; bytes per block of 32 weights.
+_KEPT_BLOCKS = {
+    GGMLQuantizationType.Q8_0: "q8_0",
+    GGMLQuantizationType.Q4_0: "int4",
+    GGMLQuantizationType.Q4_1: "q4_1",
+}
+_BLOCK_BYTES = {"q8_0": 34, "int4": 18, "q4_1": 20}
+# GGUF tensors that are linear layers' weights (the embedding table is not: a lookup reads one row).
+_LINEAR_BASES = frozenset(
+    {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output"}
+)
 
 
 class UnsupportedGGUFError(ValueError):
@@ -75,9 +99,10 @@ class _Entry:
 
     hf_name: str
     tensor: ReaderTensor
-    dtype: str  # safetensors dtype: F32, F16 or BF16
+    dtype: str  # safetensors dtype: F32, F16, BF16, or I8/U8 for quantized codes
     shape: tuple[int, ...]  # HF (row-major) shape, the reverse of GGUF's ne[] order
     permute_heads: int | None  # undo llama.cpp's Q/K row permutation over this many heads
+    part: str = "weight"  # "weight" (float), or "qweight" / "scale" / "mins" of a kept block tensor
 
     @property
     def nbytes(self) -> int:
@@ -267,25 +292,48 @@ def _hf_shape(tensor: ReaderTensor) -> tuple[int, ...]:
     return tuple(int(n) for n in reversed(tensor.shape.tolist()))
 
 
-def _plan(tensors: list[ReaderTensor], config: dict[str, Any]) -> list[_Entry]:
-    """One `_Entry` per output tensor; `rope_freqs` is consumed by the config and not written."""
+def _quantized_entries(module: str, tensor: ReaderTensor, permute_heads: int | None) -> list[_Entry]:
+    """The codes and scales of a kept block tensor (`_KEPT_BLOCKS`), named after the HF `module`."""
+    fmt = _KEPT_BLOCKS[tensor.tensor_type]
+    n, k = _hf_shape(tensor)
+    groups = (n, k // 32)
+    parts = [("qweight", "I8" if fmt == "q8_0" else "U8", (n, k) if fmt == "q8_0" else (n, k // 2))]
+    parts.append(("scale", "F16", groups))
+    if fmt == "q4_1":
+        parts.append(("mins", "F16", groups))
+    return [_Entry(f"{module}.{part}", tensor, dtype, shape, permute_heads, part) for part, dtype, shape in parts]
+
+
+def _plan(
+    tensors: list[ReaderTensor], config: dict[str, Any], keep_quantized: bool = True
+) -> tuple[list[_Entry], dict[str, str]]:
+    """One `_Entry` per output tensor, and the quantized modules ({HF module name: format}).
+
+    `rope_freqs` is consumed by the config and not written.
+    """
     permute = config["model_type"] == "llama"
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    entries = []
+    entries, quantized = [], {}
     for tensor in tensors:
         if tensor.name == _ROPE_FREQS:
             continue
         base = tensor.name.split(".")[-2]
-        entries.append(
-            _Entry(
-                hf_name=hf_tensor_name(tensor.name),
-                tensor=tensor,
-                dtype=_KEPT_TYPES.get(tensor.tensor_type, "F32"),
-                shape=_hf_shape(tensor),
-                permute_heads=heads.get(base) if permute else None,
-            )
-        )
-    return entries
+        hf_name = hf_tensor_name(tensor.name)
+        permute_heads = heads.get(base) if permute else None
+        kept = keep_quantized and tensor.tensor_type in _KEPT_BLOCKS and len(tensor.shape) == 2
+        if kept and base in _LINEAR_BASES and tensor.name.endswith(".weight"):
+            module = hf_name.removesuffix(".weight")
+            entries += _quantized_entries(module, tensor, permute_heads)
+            quantized[module] = _KEPT_BLOCKS[tensor.tensor_type]
+            continue
+        if kept and base == "token_embd" and config["tie_word_embeddings"]:
+            # NOTE: the tied head keeps the table's codes (read whole every decode step); the table is
+            # dequantized below for lookups, at the cost of a second, smaller copy.
+            entries += _quantized_entries("lm_head", tensor, None)
+            quantized["lm_head"] = _KEPT_BLOCKS[tensor.tensor_type]
+        dtype = _KEPT_TYPES.get(tensor.tensor_type, "F32")
+        entries.append(_Entry(hf_name, tensor, dtype, _hf_shape(tensor), permute_heads))
+    return entries, quantized
 
 
 def load_tensor(tensor: ReaderTensor) -> np.ndarray:
@@ -308,8 +356,28 @@ def load_tensor(tensor: ReaderTensor) -> np.ndarray:
         ) from exc
 
 
+def block_parts(tensor: ReaderTensor) -> dict[str, np.ndarray]:
+    """A Q8_0/Q4_0/Q4_1 tensor's blocks split into HF-shaped arrays, bit for bit (no arithmetic).
+
+    Returns `qweight` (Q8_0: int8 [N, K]; Q4_0/Q4_1: uint8 [N, K/2], byte j of a block holding
+    weights j and j + 16 in its low and high nibble), `scale` (fp16 [N, K/32]) and for Q4_1 `mins`.
+    Block layouts (ggml-common.h): Q8_0 = f16 d, 32 x i8; Q4_0 = f16 d, 16 bytes; Q4_1 = f16 d, f16 m, 16 bytes.
+    """
+    fmt = _KEPT_BLOCKS[tensor.tensor_type]
+    n, k = _hf_shape(tensor)
+    blocks = np.asarray(tensor.data).view(np.uint8).reshape(n, k // 32, _BLOCK_BYTES[fmt])
+    parts = {"scale": blocks[..., 0:2].copy().view(np.float16).reshape(n, k // 32)}
+    codes_at = 2
+    if fmt == "q4_1":
+        parts["mins"] = blocks[..., 2:4].copy().view(np.float16).reshape(n, k // 32)
+        codes_at = 4
+    codes = blocks[..., codes_at:].copy()
+    parts["qweight"] = codes.view(np.int8).reshape(n, k) if fmt == "q8_0" else codes.reshape(n, k // 2)
+    return parts
+
+
 def _load_entry(entry: _Entry) -> np.ndarray:
-    array = load_tensor(entry.tensor)
+    array = load_tensor(entry.tensor) if entry.part == "weight" else block_parts(entry.tensor)[entry.part]
     if entry.permute_heads is not None:
         array = unpermute_qk(array, entry.permute_heads)
     return np.ascontiguousarray(array)
@@ -346,8 +414,8 @@ def write_safetensors(path: Path, entries: list[_Entry], *, progress: bool = Tru
 
 
 def _checkpoint_dtype(entries: list[_Entry]) -> str:
-    """`torch_dtype` of the checkpoint: the matrices' dtype if all share one, else float32."""
-    dtypes = {e.dtype for e in entries if len(e.shape) == 2}
+    """`torch_dtype` of the checkpoint: the float matrices' dtype if all share one, else float32."""
+    dtypes = {e.dtype for e in entries if len(e.shape) == 2 and e.part == "weight"}
     return _TORCH_DTYPE[dtypes.pop()] if len(dtypes) == 1 else "float32"
 
 
@@ -366,10 +434,13 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool = True) -> Path:
+def convert_gguf(
+    gguf_path: str | Path, out_dir: str | Path, *, progress: bool = True, keep_quantized: bool = True
+) -> Path:
     """Write an HF checkpoint folder for a GGUF file into `out_dir` (created if missing); return `out_dir`.
 
-    Writes config.json, model.safetensors (float32 for F32 and block-quantized tensors, F16/BF16 kept),
+    Writes config.json, model.safetensors (F32/F16/BF16 kept; Q8_0/Q4_0/Q4_1 linear weights as codes and
+    scales when `keep_quantized`, see the module docstring; other block types dequantized to float32),
     generation_config.json, tokenizer.json and tokenizer_config.json (with `tokenizer.chat_template`).
     Not atomic: `tandem.models.resolve` converts into a temporary folder and renames it.
 
@@ -395,8 +466,10 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, *, progress: bool =
     shapes = {name: _hf_shape(t) for name, t in tensors.items()}
     rope_freqs = load_tensor(tensors[_ROPE_FREQS]).astype(np.float32) if _ROPE_FREQS in tensors else None
     config = build_hf_config(meta, shapes, rope_freqs)
-    entries = _plan(list(tensors.values()), config)
+    entries, quantized = _plan(list(tensors.values()), config, keep_quantized)
     config["torch_dtype"] = config["dtype"] = _checkpoint_dtype(entries)
+    if quantized:
+        config[QUANTIZED_KEY] = {"version": QUANTIZED_VERSION, "modules": quantized}
     out_dir.mkdir(parents=True, exist_ok=True)
     write_safetensors(
         out_dir / "model.safetensors", entries, progress=progress, desc=f"Converting {gguf_path.name}"

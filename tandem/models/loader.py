@@ -3,6 +3,12 @@
 Files are memory-mapped with ``safetensors.safe_open`` and copied tensor by tensor into parameters
 that already have the target dtype, so peak memory is the model plus one tensor. Fused projections
 (``Linear.shard_names``) are filled slice by slice from their separate checkpoint tensors.
+
+A folder converted from a GGUF may hold linear layers quantized as they were in the file (config.json
+key ``tandem_quantized``, see ``tandem/models/gguf_convert.py``): those modules become
+``QuantizedLinear`` before loading and their codes are copied as they are, so no float copy of them is
+ever made. A fused projection is kept quantized only when all its shards share one format; otherwise
+the quantized shards are dequantized (float32 reference, ``quant.dequantize_weight``) into a float layer.
 """
 
 from __future__ import annotations
@@ -19,7 +25,11 @@ from tandem.attention import AttentionBackend
 from tandem.models.hf_config import CheckpointError, HFModelConfig
 from tandem.models.layers import Linear
 from tandem.models.llama import LlamaForCausalLM
+from tandem.models.quant import QuantizedLinear, dequantize_weight
 from tandem.models.registry import get_model_class
+
+QUANTIZED_KEY = "tandem_quantized"  # NOTE: gguf_convert.QUANTIZED_KEY; not imported (gguf is heavy)
+QUANTIZED_PARTS = ("qweight", "scale", "mins")
 
 INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -86,13 +96,58 @@ def _open(path: Path):  # noqa: ANN202 (safetensors' handle type is not public)
         ) from e
 
 
+def quantized_modules(model_dir: Path) -> dict[str, str]:
+    """``{checkpoint module name: QuantizedLinear format}`` from config.json's ``tandem_quantized``.
+
+    Raises:
+        CheckpointError: the entry has another version or is malformed.
+    """
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    entry = config.get(QUANTIZED_KEY)
+    if entry is None:
+        return {}
+    if not isinstance(entry, dict) or entry.get("version") != 1 or not isinstance(entry.get("modules"), dict):
+        raise CheckpointError(f"{model_dir}/config.json: unsupported {QUANTIZED_KEY} entry {entry!r}")
+    return dict(entry["modules"])
+
+
+def _shard_names(name: str, module: Linear | QuantizedLinear) -> list[str]:
+    """Checkpoint module names of a (possibly fused) linear layer named ``name`` in the model."""
+    parent = name.rpartition(".")[0]
+    return [f"{parent}.{shard}" if parent else shard for shard in module.shard_names] or [name]
+
+
+def use_quantized_modules(model: torch.nn.Module, formats: dict[str, str]) -> None:
+    """Replace each ``Linear`` whose checkpoint shards are all stored in one quantized format.
+
+    Changes: ``model``'s modules in place (new, uninitialized ``QuantizedLinear`` modules; a tied LM
+    head stops sharing the embedding table). Layers with mixed or no formats stay float.
+    """
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, Linear):
+            continue
+        shard_formats = {formats.get(shard) for shard in _shard_names(name, module)}
+        if len(shard_formats) != 1 or None in shard_formats:
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, QuantizedLinear.empty(
+            shard_formats.pop(), module.weight.shape[1], module.output_sizes, module.bias is not None,
+            module.weight.dtype, module.shard_names,
+        ))
+
+
 def _targets(model: torch.nn.Module) -> list[_Target]:
     """Every checkpoint tensor the model needs; shared (tied) parameters appear once."""
     targets = []
-    for param_name, param in model.named_parameters():
+    quantized = [
+        (f"{name}.{leaf}", buf) for name, m in model.named_modules() if isinstance(m, QuantizedLinear)
+        for leaf, buf in m.named_buffers(recurse=False) if leaf in QUANTIZED_PARTS
+    ]
+    for param_name, param in [*model.named_parameters(), *quantized]:
         module_name, _, leaf = param_name.rpartition(".")
         module = model.get_submodule(module_name)
-        if isinstance(module, Linear) and module.shard_names:
+        if isinstance(module, Linear | QuantizedLinear) and module.shard_names:
             parent = module_name.rpartition(".")[0]
             start = 0
             for shard, size in zip(module.shard_names, module.output_sizes, strict=True):
@@ -116,30 +171,44 @@ def load_weights(model: torch.nn.Module, model_dir: Path, progress: bool = True)
     """
     files = checkpoint_files(model_dir)
     targets = _targets(model)
-    missing = [t.name for t in targets if t.name not in files]
+    missing = [t.name for t in targets if t.name not in files and _qweight_name(t.name) not in files]
     if missing:
         searched = ", ".join(sorted({p.name for p in files.values()}))
         shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
         raise CheckpointError(f"missing tensor(s) {shown} in {model_dir} (searched {searched})")
+    formats = quantized_modules(model_dir)
     by_file: dict[Path, list[_Target]] = {}
     for t in targets:
-        by_file.setdefault(files[t.name], []).append(t)
+        by_file.setdefault(files.get(t.name) or files[_qweight_name(t.name)], []).append(t)
     with tqdm(total=len(targets), desc="Loading weights", unit="tensor", disable=not progress) as bar:
         for path, group in by_file.items():
             with _open(path) as f:
                 for t in group:
-                    _copy_tensor(f, path, t)
+                    _copy_tensor(f, path, t, formats)
                     bar.update(1)
 
 
-def _copy_tensor(f, path: Path, t: _Target) -> None:  # noqa: ANN001 (safetensors handle)
+def _qweight_name(name: str) -> str:
+    return name.removesuffix(".weight") + ".qweight" if name.endswith(".weight") else ""
+
+
+def _dequantized_shard(f, name: str, formats: dict[str, str]) -> torch.Tensor:  # noqa: ANN001
+    """The float32 weight of checkpoint module ``name`` stored quantized (a shard of a mixed projection)."""
+    module = name.removesuffix(".weight")
+    parts = {p: f.get_tensor(f"{module}.{p}") for p in QUANTIZED_PARTS if f"{module}.{p}" in f.keys()}
+    return dequantize_weight(formats[module], parts["qweight"], parts["scale"], parts.get("mins"))
+
+
+def _copy_tensor(f, path: Path, t: _Target, formats: dict[str, str] | None = None) -> None:  # noqa: ANN001
     try:
-        shape = tuple(f.get_slice(t.name).get_shape())
+        quantized = t.name not in f.keys()  # then ``_qweight_name(t.name)`` is (checked by load_weights)
+        tensor = _dequantized_shard(f, t.name, formats or {}) if quantized else None
+        shape = tuple(tensor.shape) if quantized else tuple(f.get_slice(t.name).get_shape())
         if shape != t.expected_shape:
             raise CheckpointError(
                 f"tensor {t.name} in {path.name} has shape {list(shape)}, expected {list(t.expected_shape)}"
             )
-        tensor = f.get_tensor(t.name)
+        tensor = tensor if quantized else f.get_tensor(t.name)
     except CheckpointError:
         raise
     except Exception as e:
@@ -170,5 +239,6 @@ def load_model(
         dtype = DTYPES[dtype]
     model_cls = get_model_class(cfg.architecture)
     model = model_cls(cfg, dtype, max_positions or cfg.max_model_len, backend)
+    use_quantized_modules(model, quantized_modules(model_dir))
     load_weights(model, model_dir, progress=progress)
     return model.eval()

@@ -8,8 +8,13 @@ Activations stay in the model dtype; only the weights of the linear layers are s
         as fp16; byte j of a group holds ``(q_j + 8) | (q_{j+16} + 8) << 4``. Layers whose input size
         is not a multiple of 32, and the LM head (whose errors go straight into the logits, which is
         why llama.cpp keeps its output tensor at higher precision too), use int8.
-The C++ kernels (``tandem.kernels.linear_int8/int4``) multiply bf16 activations with these formats at
-decode sizes; larger batches (prefill) and other dtypes dequantize the weight and use ``F.linear``.
+Two more formats hold a GGUF file's blocks as they are (``tandem/models/gguf_convert.py``, llama.cpp's
+ggml-quants.c ``dequantize_row_q8_0`` / ``_q4_1``; GGUF Q4_0 is exactly ``int4``):
+  q8_0  group-32 symmetric int8: ``qweight [N, K]`` int8, ``scale [N, K/32]`` fp16, ``w = q * d``.
+  q4_1  group-32 asymmetric int4: ``qweight [N, K/2]`` uint8 in int4's nibble layout (u in 0..15),
+        ``scale, mins [N, K/32]`` fp16, ``w = u * d + m``.
+The C++ kernels (``tandem.kernels.linear_int8/int4/q8_0/q4_1``) multiply bf16 activations with these
+formats at decode sizes; larger batches (prefill) and other dtypes dequantize the weight and use ``F.linear``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from torch import nn
 from tandem import kernels
 from tandem.models.layers import Linear
 
-METHODS = ("int8", "int4")
+METHODS = ("int8", "int4")  # what quantize_model makes from float weights
+FORMATS = ("int8", "int4", "q8_0", "q4_1")  # every storage format of QuantizedLinear
 GROUP = 32
 
 
@@ -66,9 +72,68 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (q * scale.float()[..., None]).view(n, -1)
 
 
-class QuantizedLinear(nn.Module):
-    """A ``Linear`` with int8 or int4 weights (buffers ``qweight``, ``scale``); bias kept as is.
+def dequantize_q8_0(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Float32 ``[N, K]`` weights of a q8_0 layer: ``q [N, K]`` int8 times its group's ``scale [N, K/32]``."""
+    n = q.shape[0]
+    return (q.view(n, -1, GROUP).float() * scale.float()[..., None]).view(n, -1)
 
+
+def dequantize_q4_1(packed: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """Float32 ``[N, K]`` weights of a q4_1 layer: ``u * scale + mins`` per group of 32."""
+    n = packed.shape[0]
+    b = packed.view(n, -1, GROUP // 2).to(torch.int16)
+    u = torch.cat([b & 0xF, b >> 4], dim=2).float()  # [n, groups, 32]
+    return (u * scale.float()[..., None] + mins.float()[..., None]).view(n, -1)
+
+
+def dequantize_weight(
+    method: str, qweight: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Float32 ``[N, K]`` weights of a layer stored in ``method`` (one of ``FORMATS``).
+
+    Raises:
+        ValueError: an unknown ``method``.
+    """
+    if method == "int8":
+        return dequantize_int8(qweight, scale)
+    if method == "int4":
+        return dequantize_int4(qweight, scale)
+    if method == "q8_0":
+        return dequantize_q8_0(qweight, scale)
+    if method == "q4_1":
+        return dequantize_q4_1(qweight, scale, mins)
+    raise ValueError(f"quantized format must be one of {FORMATS}, got {method!r}")
+
+
+def quantized_shapes(
+    method: str, out_features: int, in_features: int
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``{buffer name: (shape, dtype)}`` of a ``method`` layer with weight ``[out_features, in_features]``.
+
+    Raises:
+        ValueError: an unknown ``method``, or a group format with ``in_features % 32 != 0``.
+    """
+    if method not in FORMATS:
+        raise ValueError(f"quantized format must be one of {FORMATS}, got {method!r}")
+    n, k = out_features, in_features
+    if method == "int8":
+        return {"qweight": ((n, k), torch.int8), "scale": ((n,), torch.float32)}
+    if k % GROUP:
+        raise ValueError(f"{method} needs an input size that is a multiple of {GROUP}, got {k}")
+    groups = ((n, k // GROUP), torch.float16)
+    if method == "q8_0":
+        return {"qweight": ((n, k), torch.int8), "scale": groups}
+    shapes = {"qweight": ((n, k // 2), torch.uint8), "scale": groups}
+    if method == "q4_1":
+        shapes["mins"] = groups
+    return shapes
+
+
+class QuantizedLinear(nn.Module):
+    """A ``Linear`` with quantized weights (buffers ``qweight``, ``scale``, and ``mins`` for q4_1); bias as is.
+
+    ``QuantizedLinear(linear, "int8" | "int4")`` quantizes a float layer; ``QuantizedLinear.empty`` makes
+    one of any of ``FORMATS`` for the loader to fill with a checkpoint's codes (GGUF blocks).
     ``forward(x [T, K]) -> [T, N]`` in ``x``'s dtype.
     """
 
@@ -84,22 +149,59 @@ class QuantizedLinear(nn.Module):
         qweight, scale = quantize(weight)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
+        self.register_buffer("mins", None)
         self.bias = linear.bias
+
+    @classmethod
+    def empty(
+        cls,
+        method: str,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        dtype: torch.dtype,
+        shard_names: tuple[str, ...] = (),
+    ) -> QuantizedLinear:
+        """An uninitialized ``method`` layer shaped like ``Linear(input_size, output_sizes, ...)``.
+
+        The loader copies each shard's codes into its rows (``torch.empty``: nothing is initialized).
+
+        Raises:
+            ValueError: see ``quantized_shapes``.
+        """
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.output_sizes, self.shard_names = list(output_sizes), tuple(shard_names)
+        self.in_features, self.method = input_size, method
+        self.register_buffer("mins", None)
+        for name, (shape, buf_dtype) in quantized_shapes(method, sum(output_sizes), input_size).items():
+            self.register_buffer(name, torch.empty(shape, dtype=buf_dtype))
+        out = sum(output_sizes)
+        self.bias = nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False) if bias else None
+        return self
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight ``[N, K]`` as ``dtype`` (the PyTorch path and the kernels' oracle)."""
-        dequantize = dequantize_int4 if self.method == "int4" else dequantize_int8
-        return dequantize(self.qweight, self.scale).to(dtype)
+        return dequantize_weight(self.method, self.qweight, self.scale, self.mins).to(dtype)
+
+    def _kernel_dequantized(self) -> torch.Tensor:
+        if self.method == "q8_0":
+            return kernels.dequantize_q8_0(self.qweight, self.scale)
+        if self.method == "q4_1":
+            return kernels.dequantize_q4_1(self.qweight, self.scale, self.mins)
+        return kernels.dequantize(self.qweight, self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= kernels.LINEAR_MAX_TOKENS
                 and (self.bias is None or self.bias.dtype == torch.bfloat16) and kernels.available()):
-            op = kernels.linear_int4 if self.method == "int4" else kernels.linear_int8
+            if self.method == "q4_1":
+                return kernels.linear_q4_1(x, self.qweight, self.scale, self.mins, self.bias)
+            op = {"int4": kernels.linear_int4, "int8": kernels.linear_int8, "q8_0": kernels.linear_q8_0}[self.method]
             return op(x, self.qweight, self.scale, self.bias)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if x.dtype == torch.bfloat16 and kernels.available():
             # NOTE: large batches (prefill) are compute-bound: one fast dequantization, then oneDNN.
-            return F.linear(x, kernels.dequantize(self.qweight, self.scale), bias)
+            return F.linear(x, self._kernel_dequantized(), bias)
         return F.linear(x, self.dequantized(x.dtype), bias)
 
     def extra_repr(self) -> str:
@@ -111,7 +213,8 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
 
     Changes: ``model``'s modules in place; the float weights of replaced layers are freed, except a
     tied LM head's, which is the embedding table and stays (lookups read one row of it per token).
-    Returns ``model``.
+    Layers that are already ``QuantizedLinear`` (a GGUF's Q8_0/Q4_0/Q4_1 weights, loaded as they are in
+    the file) are kept: re-quantizing their codes would only add error. Returns ``model``.
 
     Raises:
         ValueError: an unknown ``method``.

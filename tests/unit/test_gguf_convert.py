@@ -191,10 +191,10 @@ def write_gguf(
     writer.close()
 
 
-def round_trip(tmp_path, model, bpe, arch, **kwargs):
+def round_trip(tmp_path, model, bpe, arch, keep_quantized=True, **kwargs):
     """Write a GGUF, convert it, load the folder with transformers in float32; return (folder, model)."""
     write_gguf(tmp_path / "tiny.gguf", model, bpe, arch, **kwargs)
-    out = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "hf", progress=False)
+    out = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "hf", progress=False, keep_quantized=keep_quantized)
     return out, AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
 
 
@@ -247,7 +247,9 @@ def test_f32_round_trip_reproduces_weights_logits_and_tokenizer(tmp_path, bpe, a
 )
 def test_half_precision_tensors_are_kept_as_is(tmp_path, bpe, qtype, dtype, tol):
     model = tiny_model("llama")
-    out, loaded = round_trip(tmp_path, model, bpe, "llama", matrix_type=qtype)
+    # NOTE: keep_quantized=False (every block dequantized) is the folder transformers can read;
+    # test_gguf_quantized.py checks the kept codes against the same blocks.
+    out, loaded = round_trip(tmp_path, model, bpe, "llama", keep_quantized=False, matrix_type=qtype)
     with safe_open(out / "model.safetensors", "pt") as f:
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == dtype
         assert f.get_tensor("model.layers.0.input_layernorm.weight").dtype == torch.float32
@@ -278,7 +280,9 @@ def block_error_bound(weight: np.ndarray, qtype: Q) -> np.ndarray:
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
 def test_block_quantized_tensors_dequantize_within_format_error(tmp_path, bpe, qtype):
     model = tiny_model("llama")
-    out, loaded = round_trip(tmp_path, model, bpe, "llama", matrix_type=qtype)
+    # NOTE: keep_quantized=False (every block dequantized) is the folder transformers can read;
+    # test_gguf_quantized.py checks the kept codes against the same blocks.
+    out, loaded = round_trip(tmp_path, model, bpe, "llama", keep_quantized=False, matrix_type=qtype)
     loaded_sd = loaded.state_dict()
     for name, tensor in model.state_dict().items():
         original = tensor.numpy()

@@ -23,6 +23,7 @@ from tandem.models.quant import (
     QuantizedLinear,
     dequantize_int4,
     dequantize_int8,
+    dequantize_weight,
     quantize_int4,
     quantize_int8,
     quantize_model,
@@ -154,3 +155,73 @@ def test_dequantize_kernel_matches_python(method: str) -> None:
     q, s = quantize_int4(w) if method == "int4" else quantize_int8(w)
     expected = (dequantize_int4 if method == "int4" else dequantize_int8)(q, s).bfloat16()
     assert torch.equal(kernels.dequantize(q, s), expected)
+
+
+# ---- GGUF formats kept as they are: q8_0 (group-32 int8) and q4_1 (group-32 asymmetric int4) ----
+
+def random_codes(method: str, n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Random codes and fp16 scales (and mins) of a ``method`` layer, as a GGUF file would hold them."""
+    d = (torch.rand(n, k // 32, generator=g) * 0.02 + 0.001).half()
+    if method == "q8_0":
+        return torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g), d
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    return (packed, d, (torch.randn(n, k // 32, generator=g) * 0.05).half()) if method == "q4_1" else (packed, d)
+
+
+def test_q8_0_and_q4_1_dequantize_to_the_ggml_formulas() -> None:
+    g = torch.Generator().manual_seed(5)
+    q, d = random_codes("q8_0", 3, 64, g)
+    w = dequantize_weight("q8_0", q, d)
+    assert w[2, 40].item() == q[2, 40].item() * d[2, 1].float().item()
+    packed, d, m = random_codes("q4_1", 3, 64, g)
+    w = dequantize_weight("q4_1", packed, d, m)
+    byte = packed[1, 16 + 5].item()  # group 1, byte 5: weight 5 in the low nibble, weight 21 in the high one
+    assert w[1, 32 + 5].item() == (byte & 0xF) * d[1, 1].float().item() + m[1, 1].float().item()
+    assert w[1, 32 + 21].item() == (byte >> 4) * d[1, 1].float().item() + m[1, 1].float().item()
+
+
+@needs_kernels
+@pytest.mark.parametrize("method", ["q8_0", "q4_1", "int4"])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 5, 32), (1, 67, 96), (2, 64, 576), (5, 33, 1056), (16, 129, 2080),
+                                           (40, 70, 160)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_group_kernels_match_dequantized_weights(method: str, m: int, n: int, k: int, bias: bool) -> None:
+    """Kernels (M <= 16) and the dequantize + oneDNN path (M = 40) vs fp32 ``x @ dequant(w).T``.
+
+    Bound: the output's bf16 rounding (2^-8 relative) plus each weight's bf16 rounding where the path
+    dequantizes to bf16 (2^-9 of ``|x| @ |w|.T``; the one-token kernels use exact products) plus fp32
+    summation (1e-5 of ``|x| @ |w|.T``).
+    """
+    g = torch.Generator().manual_seed(m * n + k)
+    codes = random_codes(method, n, k, g)
+    layer = QuantizedLinear.empty(method, k, [n], bias, torch.bfloat16)
+    for name, tensor in zip(("qweight", "scale", "mins"), codes, strict=False):
+        getattr(layer, name).copy_(tensor)
+    if bias:
+        layer.bias.copy_(torch.randn(n, generator=g))
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = dequantize_weight(method, *codes)
+    ref = reference(x, w, layer.bias)
+    y = layer(x)
+    mag = x.float().abs() @ w.abs().T
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    assert ((y.float() - ref).abs() <= 2**-8 * ref.abs() + 2**-9 * mag + 1e-5 * mag + 1e-6).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("method", ["q8_0", "q4_1"])
+def test_group_dequantize_kernels_match_python(method: str) -> None:
+    """bf16 weights of the C++ dequantization equal the Python reference rounded to bf16 (exactly)."""
+    codes = random_codes(method, 13, 96, torch.Generator().manual_seed(6))
+    op = kernels.dequantize_q8_0 if method == "q8_0" else kernels.dequantize_q4_1
+    assert torch.equal(op(*codes), dequantize_weight(method, *codes).bfloat16())
+
+
+def test_empty_layer_shapes_and_bad_formats() -> None:
+    layer = QuantizedLinear.empty("q4_1", 64, [32, 16], False, torch.bfloat16, ("a", "b"))
+    assert layer.qweight.shape == (48, 32) and layer.scale.shape == layer.mins.shape == (48, 2)
+    assert layer.output_sizes == [32, 16] and layer.shard_names == ("a", "b") and layer.bias is None
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QuantizedLinear.empty("q8_0", 40, [8], False, torch.bfloat16)
+    with pytest.raises(ValueError, match="must be one of"):
+        QuantizedLinear.empty("q5_0", 64, [8], False, torch.bfloat16)

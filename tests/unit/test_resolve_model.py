@@ -15,8 +15,6 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tandem.models import resolve
 from tandem.models.gguf_convert import UnsupportedGGUFError
@@ -114,14 +112,16 @@ def test_default_model_is_smollm2_and_answers_paris(tmp_path, monkeypatch):
     keys = ["num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads"]
     keys += ["intermediate_size", "vocab_size", "rope_theta", "rms_norm_eps", "tie_word_embeddings"]
     assert [config[k] for k in keys] == [30, 576, 9, 3, 1536, 49152, 100000.0, 1e-5, True]
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(folder)
+    # Q4_1 projections and the Q8_0 embedding's codes for the tied head are kept as they are.
+    modules = config["tandem_quantized"]["modules"]
+    assert len(modules) == 30 * 7 + 1 and modules["lm_head"] == "q8_0"
+    assert {fmt for name, fmt in modules.items() if name != "lm_head"} == {"q4_1"}
+    from tandem import LLM, SamplingParams
+
+    llm = LLM(str(folder), progress=False)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    prompt = tok.apply_chat_template(
-        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )
-    out = model.generate(**prompt, max_new_tokens=20, do_sample=False)
-    assert "Paris" in tok.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=20))[0]
+    assert "Paris" in out.outputs[0].text
 
     mtime = (folder / "model.safetensors").stat().st_mtime_ns
     monkeypatch.setattr(resolve, "convert_gguf", lambda *a, **k: pytest.fail("the cache was not reused"))

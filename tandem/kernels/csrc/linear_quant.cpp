@@ -4,6 +4,10 @@
 //   int8  qweight int8 [N, K], scale fp32 [N]: w = q * scale[n] (symmetric, per output channel).
 //   int4  qweight uint8 [N, K / 2], scale fp16 [N, K / 32]: in group g of row n (32 weights, 16 bytes,
 //         llama.cpp Q4_0's layout), byte j holds (q_j + 8) | (q_{j+16} + 8) << 4 and w = q * scale[n, g].
+//   q8_0  qweight int8 [N, K], scale fp16 [N, K / 32]: w = q * scale[n, g] (llama.cpp Q8_0's blocks).
+//   q4_1  qweight uint8 [N, K / 2] (int4's nibble layout, u = nibble in 0..15), scale and min fp16
+//         [N, K / 32]: w = u * scale[n, g] + min[n, g] (llama.cpp Q4_1's blocks).
+// Source of the block formats: ggml-quants.c (dequantize_row_q8_0 / q4_0 / q4_1).
 // One token (decode at batch 1, memory-bound) reads one row at a time straight from the quantized
 // bytes (int8_row_one_token, int4_row_one_token). Several tokens: each thread walks tiles of 4 rows,
 // dequantizes them into an L1 buffer of bf16, kChunk columns at a time, and multiplies with the
@@ -34,6 +38,12 @@ using tandem::lane_mask;
 
 constexpr int64_t kChunk = 1024;  // columns dequantized at a time: 4 rows x 2 KB stay in L1
 
+// dst[0, 16) = float(src[0, n)) (n <= 16; lanes past n are 0): a scalar at::Half conversion is a
+// software routine that costs about as much as dequantizing a group, so scales convert 16 at a time.
+inline void halves_to_floats(const at::Half* src, int64_t n, float* dst) {
+  _mm512_store_ps(dst, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lane_mask(n), src)));
+}
+
 struct Int8Rows {
   const int8_t* q;
   int64_t K;
@@ -57,23 +67,97 @@ struct Int4Rows {
   const uint8_t* q;
   const at::Half* scale;
   int64_t K;
+  const at::Half* mins = nullptr;  // q4_1: w = u * d + m; else (Q4_0) w = (u - 8) * d
   // n and k0 are multiples of 32 (K % 32 == 0 is checked).
   void operator()(int64_t row, int64_t k0, int64_t n, uint16_t* dst, int64_t pf_row) const {
     const uint8_t* src = q + row * (K / 2) + k0 / 2;
     const uint8_t* pf = pf_row >= 0 ? q + pf_row * (K / 2) + k0 / 2 : nullptr;
     const at::Half* s = scale + row * (K / 32) + k0 / 32;
+    const at::Half* mn = mins != nullptr ? mins + row * (K / 32) + k0 / 32 : nullptr;
     const __m512i low4 = _mm512_set1_epi32(0xF);
+    alignas(64) float ds[16], ms[16];
     for (int64_t g = 0; g < n / 32; ++g) {
+      if (g % 16 == 0) {
+        halves_to_floats(s + g, n / 32 - g, ds);
+        if (mn != nullptr) halves_to_floats(mn + g, n / 32 - g, ms);
+      }
       if (pf != nullptr && (g & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(pf + 16 * g), _MM_HINT_T0);
       const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * g)));
-      const float d = static_cast<float>(s[g]);
-      const __m512 dv = _mm512_set1_ps(d), off = _mm512_set1_ps(-8.0f * d);
+      const float d = ds[g % 16];
+      const __m512 dv = _mm512_set1_ps(d), off = _mm512_set1_ps(mn != nullptr ? ms[g % 16] : -8.0f * d);
       __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low4)), dv, off);
       __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), dv, off);
       _mm512_storeu_si512(dst + 32 * g, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
   }
 };
+
+struct Q80Rows {
+  const int8_t* q;
+  const at::Half* scale;
+  int64_t K;
+  // n and k0 are multiples of 32 (K % 32 == 0 is checked): dst = bf16(q * d) group by group.
+  void operator()(int64_t row, int64_t k0, int64_t n, uint16_t* dst, int64_t pf_row) const {
+    const int8_t* src = q + row * K + k0;
+    const int8_t* pf = pf_row >= 0 ? q + pf_row * K + k0 : nullptr;
+    const at::Half* s = scale + row * (K / 32) + k0 / 32;
+    alignas(64) float ds[16];
+    for (int64_t g = 0; g < n / 32; ++g) {
+      if (g % 16 == 0) halves_to_floats(s + g, n / 32 - g, ds);
+      if (pf != nullptr && (g & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(pf + 32 * g), _MM_HINT_T0);
+      const __m512 dv = _mm512_set1_ps(ds[g % 16]);
+      const __m512 lo = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32 * g)))),
+          dv);
+      const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                          _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32 * g + 16)))),
+                                      dv);
+      _mm512_storeu_si512(dst + 32 * g, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+};
+
+// One token, q8_0, one row: per group of 32, the fp32 dot product of the int8 bytes with x, then
+// scaled by the group's d (two accumulators over alternating groups hide the FMA latency). Scales are
+// converted from fp16 16 at a time (a scalar at::Half conversion per group costs as much as the group).
+inline __m512 q8_0_group(const int8_t* b, const float* x) {  // sum of the 32 products, in 16 lanes
+  const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b))));
+  const __m512 w1 =
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16))));
+  return _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(x)));
+}
+
+// NOTE: named accumulators, not an array indexed by g & 1, which GCC keeps on the stack (2x slower).
+inline float q8_0_row_one_token(const int8_t* q, const at::Half* scale, int64_t K, const float* x32) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  const int64_t groups = K / 32;
+  alignas(64) float d[16];
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+    halves_to_floats(scale + g0, groups - g0, d);
+    const int64_t g_end = std::min<int64_t>(groups, g0 + 16);
+    int64_t g = g0;
+    for (; g + 2 <= g_end; g += 2) {
+      acc0 = _mm512_fmadd_ps(q8_0_group(q + 32 * g, x32 + 32 * g), _mm512_set1_ps(d[g - g0]), acc0);
+      acc1 = _mm512_fmadd_ps(q8_0_group(q + 32 * g + 32, x32 + 32 * g + 32), _mm512_set1_ps(d[g + 1 - g0]), acc1);
+    }
+    if (g < g_end) acc0 = _mm512_fmadd_ps(q8_0_group(q + 32 * g, x32 + 32 * g), _mm512_set1_ps(d[g - g0]), acc0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
+void run_q8_0_one_token(const int8_t* q, const at::Half* scale, const at::Tensor& x, int64_t N, int64_t K,
+                        const at::Tensor& bias, at::Tensor& y) {
+  std::vector<float> x32(K);
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  for (int64_t k = 0; k < K; ++k) x32[k] = static_cast<float>(xp[k]);
+  const tandem::Output out = tandem::output(y, nullptr, bias);
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // one row at a time, as for int8
+    for (int64_t row = begin; row < end; ++row) {
+      const float acc = q8_0_row_one_token(q + row * K, scale + row * (K / 32), K, x32.data());
+      out.store(&acc, 1, 1, row);
+    }
+  });
+}
 
 // One token (decode at batch 1), one row: dot products straight from the int8 bytes in fp32, no
 // bf16 buffer (a quarter of the instructions per weight of the buffered path, which is compute-bound
@@ -120,15 +204,21 @@ void run_int8_one_token(const int8_t* q, const at::Tensor& x, int64_t N, int64_t
 // so x is pre-permuted to match (xp: per pair [x_a 0-15, x_b 0-15], [x_a 16-31, x_b 16-31]); the dot
 // lanes 0-7 then belong to a, 8-15 to b, scaled by [d_a x 8, d_b x 8], permuted out of 16 scales
 // converted from fp16 per block of 8 pairs. About 10 instructions per 64 weights.
+// q4_1 (mins != nullptr): w = u d + m, so sum_j x_j w_j = d_g (T_g - 128 X_g) + m_g X_g and
+// y = sum_g d_g T_g - 128 sum_g d_g X_g + sum_g m_g X_g.
 inline float int4_row_one_token(const uint8_t* q, const at::Half* scale, int64_t K, const uint16_t* xp,
-                                const uint16_t* x, const float* xsum, const __m512i* pair_idx) {
+                                const uint16_t* x, const float* xsum, const __m512i* pair_idx,
+                                const at::Half* mins) {
   const int64_t groups = K / 32, pairs = groups / 2;
   const __m512i low4 = _mm512_set1_epi16(0x0F), magic = _mm512_set1_epi16(0x4300);
-  __m512 acc = _mm512_setzero_ps(), corr = _mm512_setzero_ps();
+  __m512 acc = _mm512_setzero_ps(), corr = _mm512_setzero_ps(), corr_min = _mm512_setzero_ps();
   for (int64_t g0 = 0; g0 < groups; g0 += 16) {  // blocks of 16 groups = 8 pairs
     const __mmask16 gm = lane_mask(groups - g0);
     const __m512 d16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, scale + g0));
-    corr = _mm512_fmadd_ps(d16, _mm512_maskz_loadu_ps(gm, xsum + g0), corr);
+    const __m512 xs16 = _mm512_maskz_loadu_ps(gm, xsum + g0);
+    corr = _mm512_fmadd_ps(d16, xs16, corr);
+    if (mins != nullptr)
+      corr_min = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, mins + g0)), xs16, corr_min);
     const int64_t p_end = std::min<int64_t>(pairs, g0 / 2 + 8);
     for (int64_t p = g0 / 2; p < p_end; ++p) {
       const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * p)));
@@ -149,11 +239,14 @@ inline float int4_row_one_token(const uint8_t* q, const at::Half* scale, int64_t
     t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_maskz_loadu_epi16(0xFFFF, x + 32 * g + 16), (__m512bh)hi);
     acc = _mm512_fmadd_ps(t, _mm512_set1_ps(static_cast<float>(scale[g])), acc);
   }
-  return _mm512_reduce_add_ps(acc) - 136.0f * _mm512_reduce_add_ps(corr);
+  // NOTE: one horizontal sum per row (each costs about as much as a pair of groups on short rows).
+  if (mins != nullptr)
+    return _mm512_reduce_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(-128.0f), corr, _mm512_add_ps(acc, corr_min)));
+  return _mm512_reduce_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(-136.0f), corr, acc));
 }
 
 void run_int4_one_token(const uint8_t* q, const at::Half* scale, const at::Tensor& x, int64_t N, int64_t K,
-                        const at::Tensor& bias, at::Tensor& y) {
+                        const at::Tensor& bias, at::Tensor& y, const at::Half* mins = nullptr) {
   const int64_t groups = K / 32, pairs = groups / 2;
   const auto* x16 = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const at::BFloat16* xb = x.data_ptr<at::BFloat16>();
@@ -178,7 +271,7 @@ void run_int4_one_token(const uint8_t* q, const at::Half* scale, const at::Tenso
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // one row at a time, as for int8
     for (int64_t row = begin; row < end; ++row) {
       const float acc = int4_row_one_token(q + row * (K / 2), scale + row * groups, K, xperm.data(), x16,
-                                           xsum.data(), pair_idx);
+                                           xsum.data(), pair_idx, mins == nullptr ? nullptr : mins + row * groups);
       out.store(&acc, 1, 1, row);
     }
   });
@@ -290,4 +383,86 @@ at::Tensor dequantize(at::Tensor qweight, at::Tensor scale) {
     for (int64_t n = begin; n < end; ++n) rows(n, 0, K, out + n * K, -1);
   });
   return w;
+}
+
+namespace {
+
+void check_groups(const at::Tensor& t, int64_t N, int64_t K, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kHalf && t.dim() == 2 && t.size(0) == N && t.size(1) == K / 32 &&
+                  t.is_contiguous(),
+              what, " must be contiguous fp16 [N, K / 32]");
+}
+
+int64_t check_q4_1(const at::Tensor& qweight, const at::Tensor& scale, const at::Tensor& mins) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous(),
+              "q4_1: qweight must be contiguous uint8 [N, K / 2]");
+  const int64_t N = qweight.size(0), K = 2 * qweight.size(1);
+  TORCH_CHECK(K % 32 == 0, "q4_1: K must be a multiple of 32");
+  check_groups(scale, N, K, "q4_1: scale");
+  check_groups(mins, N, K, "q4_1: min");
+  return K;
+}
+
+int64_t check_q8_0(const at::Tensor& qweight, const at::Tensor& scale) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar && qweight.is_contiguous(),
+              "q8_0: qweight must be contiguous int8 [N, K]");
+  const int64_t N = qweight.size(0), K = qweight.size(1);
+  TORCH_CHECK(K % 32 == 0, "q8_0: K must be a multiple of 32");
+  check_groups(scale, N, K, "q8_0: scale");
+  return K;
+}
+
+template <typename Rows>
+at::Tensor dequantize_rows(const Rows& rows, const at::Tensor& qweight, int64_t K) {
+  const int64_t N = qweight.size(0);
+  auto w = at::empty({N, K}, qweight.options().dtype(at::kBFloat16));
+  auto* out = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) rows(n, 0, K, out + n * K, -1);
+  });
+  return w;
+}
+
+}  // namespace
+
+// x [M, K] bf16, qweight int8 [N, K], scale fp16 [N, K / 32], bias [N] bf16 or None -> y [M, N] bf16.
+at::Tensor linear_q8_0(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::optional<at::Tensor> bias) {
+  const int64_t K = check_q8_0(qweight, scale), N = qweight.size(0);
+  at::Tensor b;
+  at::Tensor y = tandem::prepare_linear(x, N, K, bias, b, "linear_q8_0");
+  if (x.size(0) == 1) {
+    run_q8_0_one_token(qweight.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), x, N, K, b, y);
+    return y;
+  }
+  run(Q80Rows{qweight.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), K}, x, N, K, nullptr, b, y);
+  return y;
+}
+
+// x [M, K] bf16, qweight uint8 [N, K / 2], scale and min fp16 [N, K / 32], bias [N] bf16 or None -> y [M, N].
+at::Tensor linear_q4_1(at::Tensor x, at::Tensor qweight, at::Tensor scale, at::Tensor mins,
+                       c10::optional<at::Tensor> bias) {
+  const int64_t K = check_q4_1(qweight, scale, mins), N = qweight.size(0);
+  at::Tensor b;
+  at::Tensor y = tandem::prepare_linear(x, N, K, bias, b, "linear_q4_1");
+  const at::Half* m = mins.data_ptr<at::Half>();
+  if (x.size(0) == 1) {
+    run_int4_one_token(qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), x, N, K, b, y, m);
+    return y;
+  }
+  run(Int4Rows{qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K, m}, x, N, K, nullptr, b, y);
+  return y;
+}
+
+// bf16(q * scale) [N, K] of a q8_0 layer (qweight int8 [N, K], scale fp16 [N, K / 32]).
+at::Tensor dequantize_q8_0(at::Tensor qweight, at::Tensor scale) {
+  const int64_t K = check_q8_0(qweight, scale);
+  return dequantize_rows(Q80Rows{qweight.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), K}, qweight, K);
+}
+
+// bf16(u * scale + min) [N, K] of a q4_1 layer (qweight uint8 [N, K / 2], scale and min fp16 [N, K / 32]).
+at::Tensor dequantize_q4_1(at::Tensor qweight, at::Tensor scale, at::Tensor mins) {
+  const int64_t K = check_q4_1(qweight, scale, mins);
+  return dequantize_rows(Int4Rows{qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K,
+                                  mins.data_ptr<at::Half>()},
+                         qweight, K);
 }

@@ -1,0 +1,152 @@
+"""GGUF Q8_0 / Q4_0 / Q4_1 linear weights kept quantized: converter, loader and engine.
+
+Tiny random llama (tied LM head) and qwen2 (untied) models are written as GGUF like llama.cpp
+(helpers of test_gguf_convert.py), converted twice (codes kept; everything dequantized) and loaded by
+Tandem. Checked: the modules hold the file's exact codes (Q/K rows un-permuted), logits match the
+dequantize-everything path (float32: same weights, measured equal; bf16: within the bounds stated in the test),
+greedy tokens are equal, mixed fused projections fall back to float, and ``--quantization`` keeps them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from safetensors import safe_open
+from test_gguf_convert import bpe, encode, llama_cpp_permute, tiny_model, write_gguf  # noqa: F401
+
+from tandem import LLM, SamplingParams
+from tandem.config import CacheConfig, EngineConfig, ModelConfig
+from tandem.models.gguf_convert import QUANTIZED_KEY, convert_gguf
+from tandem.models.layers import Linear
+from tandem.models.quant import QuantizedLinear, dequantize_weight
+from tandem.worker.model_runner import ModelRunner
+
+FORMATS = {Q.Q8_0: "q8_0", Q.Q4_0: "int4", Q.Q4_1: "q4_1"}
+PROMPT = [1, 5, 17, 42, 99, 200, 3, 7, 64, 128, 250, 311, 12, 13]
+
+
+def converted(tmp_path, tokenizer, arch: str, qtype: Q, raw: dict | None = None):
+    """(model, kept folder, dequantized folder) of a tiny ``arch`` model written with 2-D tensors in ``qtype``."""
+    model = tiny_model(arch)
+    write_gguf(tmp_path / "tiny.gguf", model, tokenizer, arch, matrix_type=qtype, raw=raw)
+    kept = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "kept", progress=False)
+    dequantized = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "deq", progress=False, keep_quantized=False)
+    return model, kept, dequantized
+
+
+def runner(folder, dtype: str = "bfloat16", quantization: str | None = None) -> ModelRunner:
+    config = EngineConfig(model=ModelConfig(model=str(folder), dtype=dtype, quantization=quantization),
+                          cache=CacheConfig(num_blocks=8))
+    return ModelRunner(folder, config, progress=False)
+
+
+def file_codes(original: np.ndarray, qtype: Q) -> dict[str, np.ndarray]:
+    """The codes of ``original [N, K]`` quantized by gguf-py like the writer, split per block.
+
+    NOTE: blocks run along rows, so llama.cpp's Q/K row permutation commutes with quantization: the
+    un-permuted rows of the file's blocks are the blocks of the original rows.
+    """
+    n, k = original.shape
+    width = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20}[qtype]
+    blocks = gguf.quants.quantize(original.astype(np.float32), qtype).reshape(n, k // 32, width)
+    parts = {"scale": blocks[..., :2].copy().view(np.float16).reshape(n, -1)}
+    if qtype == Q.Q4_1:
+        parts["mins"] = blocks[..., 2:4].copy().view(np.float16).reshape(n, -1)
+    codes = blocks[..., 4 if qtype == Q.Q4_1 else 2:].copy()
+    parts["qweight"] = codes.view(np.int8).reshape(n, k) if qtype == Q.Q8_0 else codes.reshape(n, k // 2)
+    return parts
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_linear_layers_hold_the_files_codes(tmp_path, bpe, arch, qtype):  # noqa: F811
+    model, kept, _ = converted(tmp_path, bpe, arch, qtype)
+    config = json.loads((kept / "config.json").read_text())
+    fmt = FORMATS[qtype]
+    modules = config[QUANTIZED_KEY]["modules"]
+    assert config[QUANTIZED_KEY]["version"] == 1 and set(modules.values()) == {fmt}
+    assert len(modules) == 2 * 7 + 1  # 7 projections per layer + the LM head (tied for llama, own for qwen2)
+    with safe_open(str(kept / "model.safetensors"), "pt") as f:
+        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
+    assert dtypes["model.embed_tokens.weight"] == "F32" and dtypes["model.norm.weight"] == "F32"
+    assert "model.layers.0.mlp.up_proj.weight" not in dtypes
+    assert dtypes["model.layers.0.mlp.up_proj.qweight"] == ("I8" if qtype == Q.Q8_0 else "U8")
+
+    tandem_model = runner(kept).model
+    layer = tandem_model.model.layers[1]
+    qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
+    assert isinstance(tandem_model.lm_head, QuantizedLinear) and tandem_model.lm_head.method == fmt
+    assert isinstance(qkv, QuantizedLinear) and qkv.method == fmt and isinstance(gate_up, QuantizedLinear)
+    sd = model.state_dict()
+    cfg = model.config
+    rows = 0
+    for shard in ("q_proj", "k_proj", "v_proj"):
+        original = sd[f"model.layers.1.self_attn.{shard}.weight"].numpy()
+        expected = file_codes(original, qtype)
+        for part, array in expected.items():
+            actual = getattr(qkv, part)[rows : rows + original.shape[0]]
+            np.testing.assert_array_equal(actual.numpy(), array, err_msg=f"{shard}.{part}")
+        rows += original.shape[0]
+    # NOTE: the float weight the codes stand for is within the format's rounding of the original.
+    w = qkv.dequantized(torch.float32)[: cfg.hidden_size]  # q_proj rows (heads * head_dim = hidden)
+    reference = sd["model.layers.1.self_attn.q_proj.weight"]
+    assert (w - reference).abs().max() <= reference.abs().max() / 7
+    head = file_codes(sd["lm_head.weight"].numpy(), qtype)
+    np.testing.assert_array_equal(tandem_model.lm_head.qweight.numpy(), head["qweight"])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_logits_and_greedy_tokens_match_the_dequantized_path(tmp_path, bpe, arch, qtype):  # noqa: F811
+    _, kept, dequantized = converted(tmp_path, bpe, arch, qtype)
+    # float32: both paths multiply by the same float32 weights (u * d + m computed like gguf-py).
+    kept32, deq32 = runner(kept, "float32").prompt_logits(PROMPT), runner(dequantized, "float32").prompt_logits(PROMPT)
+    torch.testing.assert_close(kept32, deq32, rtol=1e-5, atol=1e-5 * deq32.abs().max().item())
+    # bf16: activations are rounded to bf16 between layers on both paths, which dominates (measured 1.8-2.3%
+    # of the float32 logits' norm, bound 4%). For 14 tokens both paths round the weights to bf16 and share
+    # the micro-kernel (measured equal); the bound allows the one-token kernels' exact products too.
+    kept16, deq16 = runner(kept).prompt_logits(PROMPT), runner(dequantized).prompt_logits(PROMPT)
+    assert (kept16 - deq32).norm() / deq32.norm() < 0.04
+    assert (deq16 - deq32).norm() / deq32.norm() < 0.04
+    assert (kept16 - deq16).norm() / deq32.norm() < 0.01
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    tokens = [
+        list(LLM(str(folder), progress=False).generate([{"prompt_token_ids": PROMPT}], params)[0].outputs[0].token_ids)
+        for folder in (kept, dequantized)
+    ]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 12
+
+
+def test_mixed_fused_projection_is_dequantized_and_quantization_keeps_file_codes(tmp_path, bpe):  # noqa: F811
+    """q_proj in Q8_0 and k/v in Q4_0: qkv_proj is float (from both formats); others stay Q4_0."""
+    model = tiny_model("llama")
+    heads = model.config.num_attention_heads
+    raw = {
+        f"model.layers.{i}.self_attn.q_proj.weight": encode(
+            llama_cpp_permute(model.state_dict()[f"model.layers.{i}.self_attn.q_proj.weight"].numpy(), heads), Q.Q8_0
+        )
+        for i in range(2)
+    }
+    _, kept, dequantized = converted(tmp_path, bpe, "llama", Q.Q4_0, raw)
+    modules = json.loads((kept / "config.json").read_text())[QUANTIZED_KEY]["modules"]
+    assert modules["model.layers.0.self_attn.q_proj"] == "q8_0" and modules["model.layers.0.self_attn.k_proj"] == "int4"
+    loaded = runner(kept, "float32").model
+    qkv = loaded.model.layers[0].self_attn.qkv_proj
+    assert type(qkv) is Linear and isinstance(loaded.model.layers[0].self_attn.o_proj, QuantizedLinear)
+    reference = runner(dequantized, "float32").model.model.layers[0].self_attn.qkv_proj.weight
+    assert torch.equal(qkv.weight, reference)
+
+    # --quantization on top: layers quantized in the file keep their codes, float ones are quantized.
+    quantized = runner(kept, quantization="int8").model
+    layer = quantized.model.layers[0]
+    assert layer.self_attn.qkv_proj.method == "int8" and layer.self_attn.o_proj.method == "int4"
+    assert quantized.lm_head.method == "int4"
+    file_o = runner(kept).model.model.layers[0].self_attn.o_proj
+    assert torch.equal(layer.self_attn.o_proj.qweight, file_o.qweight)
+    assert torch.equal(dequantize_weight("int4", file_o.qweight, file_o.scale),
+                       layer.self_attn.o_proj.dequantized(torch.float32))
