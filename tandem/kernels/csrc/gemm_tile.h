@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 // NOTE: GCC keeps arrays of vector accumulators on the stack (a store and a load per dot product,
 // 15% slower when streaming from DRAM) unless the small loops over them are unrolled early.
@@ -35,6 +36,41 @@ struct Output {
         if (bias != nullptr) v += static_cast<float>(bias[row0 + r]);
         y[m * N + row0 + r] = c10::BFloat16(v);
       }
+  }
+
+  // The same result as store (bit for bit; overwrites acc), converting 16 values at a time instead of
+  // one: at 16 tokens and K = 896 the scalar store took ~10% of linear_bf16's time.
+  inline void store_vec(float* acc, int rows, int64_t M, int64_t row0) const {
+    const int64_t n = M * rows;
+    if (scale != nullptr || bias != nullptr)
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t row = row0 + i % rows;
+        if (scale != nullptr) acc[i] *= scale[row];
+        if (bias != nullptr) acc[i] += static_cast<float>(bias[row]);
+      }
+    constexpr int kChunk = 128;  // floats converted at a time, whole tokens
+    const int64_t tokens = rows > kChunk ? 1 : kChunk / rows;
+    alignas(64) uint16_t tmp[kChunk + 16];
+    for (int64_t m0 = 0; m0 < M; m0 += tokens) {
+      const int64_t mt = M - m0 < tokens ? M - m0 : tokens, count = mt * rows;
+      const float* src = acc + m0 * rows;
+      for (int64_t i = 0; i < count; i += 16) {
+        const __mmask16 mask = count - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - i)) - 1);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(tmp + i), to_bf16(_mm512_maskz_loadu_ps(mask, src + i)));
+      }
+      for (int64_t m = 0; m < mt; ++m) std::memcpy(y + (m0 + m) * N + row0, tmp + m * rows, rows * sizeof(uint16_t));
+    }
+  }
+
+  // 16 floats -> bf16 bits, round to nearest even, NaN -> 0x7FC0: c10::BFloat16's own rule
+  // (c10/util/BFloat16.h round_to_nearest_even), so store and store_vec agree bit for bit.
+  static inline __m256i to_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                          _mm512_set1_epi32(0x7FFF));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(r);
   }
 };
 

@@ -44,7 +44,8 @@ Output output(at::Tensor& y, const float* scale, const at::Tensor& bias) {
 
 // y = x . w^T for M >= 3 tokens: tiles of RB rows (split over threads) x MB tokens.
 template <int MB, int RB>
-static void tiled(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, int64_t K, const tandem::Output& out) {
+static void tiled(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, int64_t K,
+                  const tandem::Output& out) {
   const int64_t tiles = N / RB;
   // NOTE: a grain of 64 / RB tiles (~64 rows) keeps tiny matrices on one thread, where a fork costs more.
   at::parallel_for(0, tiles, 64 / RB, [&](int64_t begin, int64_t end) {
@@ -53,7 +54,7 @@ static void tiled(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, 
       const int64_t row0 = t * RB;
       const uint16_t* next = t + 1 < end ? wp + (row0 + RB) * K : nullptr;
       dot_rows_sums<MB, RB>(xp, K, M, K, wp + row0 * K, K, acc.data(), next);
-      out.store(acc.data(), RB, M, row0);
+      out.store_vec(acc.data(), RB, M, row0);
     }
   });
   std::vector<float> acc(M);
