@@ -29,6 +29,7 @@ CATEGORIES = {
     "linear": ("tandem::linear", "aten::linear", "aten::addmm", "aten::mm", "aten::matmul"),
     "attention": ("tandem::paged_attention", "aten::_scaled_dot_product", "aten::index_copy"),
     "norm/rope/act": ("tandem::rms_norm", "tandem::rotary", "tandem::silu_and_mul", "aten::silu", "aten::rsqrt"),
+    "sampling, casts": ("aten::max", "aten::argmax", "aten::log_softmax", "aten::_to_copy", "aten::copy_"),
 }
 
 

@@ -204,8 +204,13 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
-    """Argmax of each row. ``logits``: ``[R, V]``; returns ``[R]`` int64 token ids."""
-    return logits.argmax(dim=-1)
+    """Argmax of each row (the first maximal index, as ``torch.max`` documents).
+
+    ``logits``: ``[R, V]`` float32 or bfloat16; returns ``[R]`` int64 token ids.
+    """
+    # NOTE: Tensor.max(dim) rather than argmax: on bfloat16 CPU tensors argmax is not vectorized
+    # (7.9 vs 1.4 ms for [16, 151936] on one Zen 4 core); on float32 the two take the same time.
+    return logits.max(dim=-1).indices
 
 
 def random_sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

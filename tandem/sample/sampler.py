@@ -5,6 +5,11 @@ Order of steps (vLLM v1 ``Sampler.forward``):
   2. min_tokens (forbid stop tokens), repetition penalty (prompt + output), presence/frequency
      penalties (output);
   3. greedy rows: argmax; random rows: temperature, top-k, top-p, min-p, then the exponential race.
+
+Logits may come in the model dtype (bfloat16): a float32 copy is made only of what needs one (rows
+with logprobs, a batch with min_tokens or penalties, random rows). Greedy rows take the argmax of the
+logits as given: casting bfloat16 to float32 is exact and monotonic and ``argmax`` returns the first
+maximal index, so the token is the same as on a float32 copy.
 """
 
 from __future__ import annotations
@@ -97,7 +102,8 @@ class Sampler:
         lp_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         raw_logprobs = ops.compute_logprobs(logits[lp_rows]) if lp_rows else None
 
-        logits = process_logits(logits, states)
+        if any(s.needs_penalties or s.min_tokens_blocked_ids() for s in states):
+            logits = process_logits(logits, states)
         sampled = _sample(logits, states)
 
         logprobs: list[PositionLogprobs | None] = [None] * len(states)
@@ -155,13 +161,16 @@ def _apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> None:
 
 
 def _sample(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-    """``[num_rows]`` int64 tokens: argmax for greedy rows, filtered random sampling for the others."""
+    """``[num_rows]`` int64 tokens: argmax for greedy rows, filtered random sampling for the others.
+
+    ``logits`` (float32 or bfloat16) is not modified; the random rows are filtered in a float32 copy.
+    """
     sampled = ops.greedy_sample(logits)
     random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
     if random_rows:
         index = torch.tensor(random_rows)
         chosen = [states[i] for i in random_rows]
-        probs = filtered_probs(logits.index_select(0, index), [s.params for s in chosen])
+        probs = filtered_probs(logits.index_select(0, index).float(), [s.params for s in chosen])
         sampled[index] = ops.random_sample(probs, [s.generator for s in chosen])
     return sampled
 

@@ -180,3 +180,31 @@ def test_silu_and_mul_matches_layer(d: int, dtype: torch.dtype) -> None:
         torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
     else:
         assert_matches_rounding(actual, expected)
+
+
+@pytest.mark.parametrize("m", range(1, 26))
+def test_linear_bf16_every_token_count(m: int) -> None:
+    # Every token tile and remainder (8x3 tiles from 8 tokens, 4x6 below), rows left over by the
+    # 3- and 6-row tiles (n = 6 * 11 + 5), a masked K tail; same bound as above.
+    g = gen(m)
+    x = torch.randn(m, 100, generator=g).bfloat16()
+    w = torch.randn(71, 100, generator=g).bfloat16()
+    ref = F.linear(x.float(), w.float())
+    y = kernels.linear_bf16(x, w)
+    bound = 2**-8 * ref.abs() + 1e-5 * (x.float().abs() @ w.float().abs().T) + 1e-6
+    assert ((y.float() - ref).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("m", [4, 16])
+def test_linear_bf16_propagates_inf_and_nan_like_f_linear(m: int) -> None:
+    x = torch.randn(m, 64, generator=gen(3)).bfloat16()
+    w = torch.randn(40, 64, generator=gen(4)).bfloat16()
+    x[1, 5] = float("inf")  # row 1: +-inf, or NaN where an inf meets a zero weight
+    w[7, 5] = 0.0
+    x[2, 9] = float("nan")
+    ref = F.linear(x.float(), w.float())
+    y = kernels.linear_bf16(x, w).float()
+    assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
+    assert torch.equal(y[ref.isinf()], ref[ref.isinf()])
+    finite = ref.isfinite()
+    assert ((y[finite] - ref[finite]).abs() <= 2**-8 * ref[finite].abs() + 1e-3).all()

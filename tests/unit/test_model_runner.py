@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
+import platform
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ from tandem.config import CacheConfig, EngineConfig, ModelConfig
 from tandem.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
 from tandem.sampling_params import SamplingParams
 from tandem.worker.cpu_env import available_cores, configure_threads
-from tandem.worker.model_runner import ModelRunner
+from tandem.worker.model_runner import ModelRunner, keep_freed_memory
 
 PROMPT = [5, 9, 17, 33, 4]
 
@@ -87,3 +89,27 @@ def test_configure_threads() -> None:
         assert configure_threads(None) == available_cores() >= 1
     finally:
         torch.set_num_threads(before)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_keep_freed_memory_serves_large_blocks_from_the_heap() -> None:
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.mallinfo2.restype = _MallInfo2
+    assert keep_freed_memory()
+    size = 8 << 20  # a [16, 151936] bf16 logits tensor is 4.6 MiB; glibc's default threshold is 128 KiB
+    mapped = libc.mallinfo2().hblkhd
+    first = libc.malloc(size)
+    assert libc.mallinfo2().hblkhd == mapped  # not a fresh mmap
+    heap = libc.mallinfo2().arena
+    libc.free(first)
+    assert libc.mallinfo2().arena == heap  # the heap is not trimmed back to the OS
+    second = libc.malloc(size)
+    libc.free(second)
+    assert second == first  # the freed block is reused, not returned to the OS

@@ -272,3 +272,39 @@ def test_large_batch_runs_and_respects_top_k():
         # penalties move logits a little, but a top-20 pick must be within the raw top ~60
         assert out.logprobs[row][token].rank <= 60
         assert not math.isnan(out.logprobs[row][token].logprob)
+
+
+def test_greedy_argmax_of_bf16_logits_is_first_maximum_of_float32_copy():
+    # Few distinct values per row (many ties for the maximum), plus -inf and huge entries: the
+    # sampler argmaxes bf16 logits without a float32 copy and must pick the first maximal index.
+    g = torch.Generator().manual_seed(4)
+    levels = torch.tensor([-float("inf"), -3.0e38, -1.5, 0.0, 0.25, 2.5e38])
+    logits = levels[torch.randint(0, len(levels), (24, 5000), generator=g)].to(torch.bfloat16)
+    logits[0] = -float("inf")  # all -inf: index 0, as for float32
+    logits[1, 4321] = float("inf")
+    out = Sampler()(logits, [_state(temperature=0.0) for _ in range(24)])
+    rows = logits.float().tolist()
+    assert out.token_ids == [row.index(max(row)) for row in rows]
+    assert out.token_ids[0] == 0 and out.token_ids[1] == 4321
+
+
+def test_bf16_logits_sample_as_their_float32_cast():
+    # Greedy, seeded random (top-k / top-p / min-p), penalties, min_tokens and logprobs rows in one
+    # batch: bf16 logits and their exact float32 cast must give the same tokens and logprobs.
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(5)).mul(3).to(torch.bfloat16)
+
+    def states() -> list[SamplingState]:
+        return [
+            _state(temperature=0.0),
+            _state(temperature=0.8, top_k=20, top_p=0.9, seed=1),
+            _state(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5, output=[3, 4, 4]),
+            _state(temperature=0.0, min_tokens=2, eos=[7], logprobs=2),
+            _state(temperature=1.2, min_p=0.05, seed=2, logprobs=0),
+            _state(temperature=0.0, logprobs=3),
+        ]
+
+    out_bf16 = Sampler()(logits, states())
+    out_fp32 = Sampler()(logits.float(), states())
+    assert out_bf16.token_ids == out_fp32.token_ids
+    assert out_bf16.logprobs == out_fp32.logprobs
+    assert out_bf16.logprobs[5] is not None and list(out_bf16.logprobs[5])[0] == out_bf16.token_ids[5]

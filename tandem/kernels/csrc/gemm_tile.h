@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 // NOTE: GCC keeps arrays of vector accumulators on the stack (a store and a load per dot product,
 // 15% slower when streaming from DRAM) unless the small loops over them are unrolled early.
@@ -35,6 +36,41 @@ struct Output {
         if (bias != nullptr) v += static_cast<float>(bias[row0 + r]);
         y[m * N + row0 + r] = c10::BFloat16(v);
       }
+  }
+
+  // The same result as store (bit for bit; overwrites acc), converting 16 values at a time instead of
+  // one: at 16 tokens and K = 896 the scalar store took ~10% of linear_bf16's time.
+  inline void store_vec(float* acc, int rows, int64_t M, int64_t row0) const {
+    const int64_t n = M * rows;
+    if (scale != nullptr || bias != nullptr)
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t row = row0 + i % rows;
+        if (scale != nullptr) acc[i] *= scale[row];
+        if (bias != nullptr) acc[i] += static_cast<float>(bias[row]);
+      }
+    constexpr int kChunk = 128;  // floats converted at a time, whole tokens
+    const int64_t tokens = rows > kChunk ? 1 : kChunk / rows;
+    alignas(64) uint16_t tmp[kChunk + 16];
+    for (int64_t m0 = 0; m0 < M; m0 += tokens) {
+      const int64_t mt = M - m0 < tokens ? M - m0 : tokens, count = mt * rows;
+      const float* src = acc + m0 * rows;
+      for (int64_t i = 0; i < count; i += 16) {
+        const __mmask16 mask = count - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (count - i)) - 1);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(tmp + i), to_bf16(_mm512_maskz_loadu_ps(mask, src + i)));
+      }
+      for (int64_t m = 0; m < mt; ++m) std::memcpy(y + (m0 + m) * N + row0, tmp + m * rows, rows * sizeof(uint16_t));
+    }
+  }
+
+  // 16 floats -> bf16 bits, round to nearest even, NaN -> 0x7FC0: c10::BFloat16's own rule
+  // (c10/util/BFloat16.h round_to_nearest_even), so store and store_vec agree bit for bit.
+  static inline __m256i to_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                          _mm512_set1_epi32(0x7FFF));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(r);
   }
 };
 
@@ -139,6 +175,124 @@ inline void dot_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const
     case 1: dot_tile<1, RB>(x + m * ldx, ldx, w, ldw, K, out + m * RB, pf); break;
     default: break;
   }
+}
+
+// ---- Tiles with a transposing reduction (bf16 linear, 3 or more tokens) ----
+// Each dot product ends as 16 fp32 lanes to be summed. _mm512_reduce_add_ps takes ~8 instructions
+// per dot product; at K = 896 (28 vdpbf16ps per dot product) that is a third of the work. sum16
+// sums 16 vectors at once in 46 instructions: halve the lanes of pairs of vectors, interleaving
+// them, until each lane holds one vector's total (the usual transpose-and-add reduction).
+
+// r[n] = sum of the 16 lanes of v[n], n < 16.
+inline __m512 sum16(const __m512* v) {
+  __m512 s[8], t[4], u[2];
+  TANDEM_UNROLL
+  for (int j = 0; j < 8; ++j)  // s[j]: 128-bit quarters 0-1 hold 8-lane partials of v[2j], 2-3 of v[2j+1]
+    s[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+  TANDEM_UNROLL
+  for (int j = 0; j < 4; ++j)  // t[j]: quarter q holds a 4-lane partial of v[4j + q]
+    t[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0xDD));
+  TANDEM_UNROLL
+  for (int j = 0; j < 2; ++j)  // u[j]: quarter q holds 2-lane partials of v[8j + q] and v[8j + 4 + q], interleaved
+    u[j] = _mm512_add_ps(_mm512_unpacklo_ps(t[2 * j], t[2 * j + 1]), _mm512_unpackhi_ps(t[2 * j], t[2 * j + 1]));
+  const __m512d g = _mm512_castps_pd(u[0]), h = _mm512_castps_pd(u[1]);
+  // r[4q + i] = sum of v[4i + q]; the permutation puts sum v[n] in lane n.
+  const __m512 r = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(g, h)), _mm512_castpd_ps(_mm512_unpackhi_pd(g, h)));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+// r[n] = sum of the 16 lanes of v[n] for n < 8 (lanes 8-15 are unspecified).
+inline __m512 sum8(const __m512* v) {
+  __m512 s[4], t[2];
+  TANDEM_UNROLL
+  for (int j = 0; j < 4; ++j)
+    s[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+  TANDEM_UNROLL
+  for (int j = 0; j < 2; ++j)
+    t[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0xDD));
+  const __m512 u = _mm512_add_ps(_mm512_unpacklo_ps(t[0], t[1]), _mm512_unpackhi_ps(t[0], t[1]));
+  const __m512 w = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));  // w[4q] = sum v[q], w[4q + 1] = sum v[4 + q]
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), w);
+}
+
+// out[i] = sum of the lanes of v[i], i < N.
+template <int N>
+inline void store_sums(const __m512* v, float* out) {
+  int i = 0;
+  TANDEM_UNROLL
+  for (; i + 16 <= N; i += 16) _mm512_storeu_ps(out + i, sum16(v + i));
+  if constexpr (N % 16 >= 8) {
+    _mm256_storeu_ps(out + i, _mm512_castps512_ps256(sum8(v + i)));
+    i += 8;
+  }
+  TANDEM_UNROLL
+  for (; i < N; ++i) out[i] = _mm512_reduce_add_ps(v[i]);
+}
+
+// dot_tile with the sum16 reduction: out[m * RB + r] = sum_k x[m, k] * w[r, k], MB * RB <= 24
+// accumulators (of 32 zmm registers; RB weight vectors and one token vector take the rest).
+template <int MB, int RB>
+inline void dot_tile_sums(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, float* out,
+                          const uint16_t* pf) {
+  static_assert(MB * RB <= 24, "dot_tile_sums: too many accumulators for 32 registers");
+  __m512 acc[MB * RB];
+  TANDEM_UNROLL
+  for (int i = 0; i < MB * RB; ++i) acc[i] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    if (pf != nullptr)
+      TANDEM_UNROLL
+      for (int r = 0; r < RB; ++r) _mm_prefetch(reinterpret_cast<const char*>(pf + r * ldw + k), _MM_HINT_T0);
+    __m512bh wv[RB];
+    TANDEM_UNROLL
+    for (int r = 0; r < RB; ++r) wv[r] = load_bf16(w + r * ldw + k);
+    TANDEM_UNROLL
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = load_bf16(x + m * ldx + k);
+      TANDEM_UNROLL
+      for (int r = 0; r < RB; ++r) acc[m * RB + r] = _mm512_dpbf16_ps(acc[m * RB + r], xv, wv[r]);
+    }
+  }
+  if (k < K) {
+    const __mmask32 mask = (__mmask32)((1ULL << (K - k)) - 1);  // masked-off lanes load as zero
+    __m512bh wv[RB];
+    TANDEM_UNROLL
+    for (int r = 0; r < RB; ++r) wv[r] = load_bf16_masked(w + r * ldw + k, mask);
+    TANDEM_UNROLL
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = load_bf16_masked(x + m * ldx + k, mask);
+      TANDEM_UNROLL
+      for (int r = 0; r < RB; ++r) acc[m * RB + r] = _mm512_dpbf16_ps(acc[m * RB + r], xv, wv[r]);
+    }
+  }
+  store_sums<MB * RB>(acc, out);
+}
+
+// The last T or fewer tokens of dot_rows_sums: one dot_tile_sums of exactly `rest` (1..T) tokens.
+template <int T, int RB>
+inline void dot_rest_sums(int64_t rest, const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* w, int64_t ldw,
+                          float* out, const uint16_t* pf) {
+  if constexpr (T > 0) {
+    if (rest == T)
+      dot_tile_sums<T, RB>(x, ldx, w, ldw, K, out, pf);
+    else
+      dot_rest_sums<T - 1, RB>(rest, x, ldx, K, w, ldw, out, pf);
+  }
+}
+
+// out [M, RB] = x [M, K] . w [RB, K] in token tiles of MB (dot_tile_sums), the last tile smaller;
+// only the first token tile prefetches `next` (as in dot_rows).
+template <int MB, int RB>
+inline void dot_rows_sums(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, const uint16_t* w, int64_t ldw,
+                          float* out, const uint16_t* next) {
+  int64_t m = 0;
+  for (; m + MB <= M; m += MB)
+    dot_tile_sums<MB, RB>(x + m * ldx, ldx, w, ldw, K, out + m * RB, m == 0 ? next : nullptr);
+  if (m < M) dot_rest_sums<MB - 1, RB>(M - m, x + m * ldx, ldx, K, w, ldw, out + m * RB, m == 0 ? next : nullptr);
 }
 
 }  // namespace tandem
