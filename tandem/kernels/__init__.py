@@ -120,3 +120,26 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[:, :d]) * x[:, d:]`` for ``x [R, 2d]`` -> ``[R, d]``."""
     return load_extension().silu_and_mul(x)
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """In-place ``rotary``: ``x [T, H, D]`` (heads contiguous, any token stride) with ``cos, sin [T, 1, D]``.
+
+    Meant for the q and k columns of a fused qkv output viewed as ``[T, H + KV, D]``: one call, no copy.
+
+    Raises:
+        RuntimeError: mismatched dtypes or a layout other than contiguous heads (raised by the kernel).
+    """
+    load_extension().rotary_(x, cos, sin)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: ``residual = residual + x``, then ``x = rms_norm(residual, weight, eps)``; ``x, residual [R, dim]``.
+
+    vLLM's ``fused_add_rms_norm``: the residual add of a pre-norm block and the next RMSNorm in one
+    pass, rounding where ``residual + x`` followed by ``rms_norm`` round (bf16 after the add).
+
+    Raises:
+        RuntimeError: non-contiguous tensors, mismatched shapes or dtypes (raised by the kernel).
+    """
+    load_extension().fused_add_rms_norm(x, residual, weight, eps)

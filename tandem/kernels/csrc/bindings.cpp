@@ -11,6 +11,8 @@ at::Tensor dequantize(at::Tensor qweight, at::Tensor scale);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor silu_and_mul(at::Tensor x);
+void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin);
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "y = x @ w.T (+ bias), bf16, AVX-512 BF16", py::arg("x"), py::arg("w"),
@@ -24,4 +26,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim of [R, dim]");
   m.def("rotary", &rotary, "rotate-half rotary embedding of [T, H, D]");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]");
+  m.def("rotary_", &rotary_, "in-place rotate-half rotary embedding of [T, H, D] (any token stride)");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "in place: residual += x; x = rms_norm(residual)");
 }
