@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.attention import AttentionBackend, AttentionMetadata, select_backend
+from tandem import kernels
+from tandem.attention import AttentionBackend, AttentionMetadata, CpuPagedAttention, select_backend
 from tandem.models.hf_config import HFModelConfig
 from tandem.models.layers import (
     Embedding,
@@ -115,13 +116,27 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: Rope,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        fused: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, hidden]`` (the embeddings when ``residual`` is None, else the previous layer's MLP
         output) -> ``(mlp_out, residual)``, each ``[T, hidden]``; the layer's output is their sum.
 
+        ``fused``: the caller checked that the step suits ``kernels.decoder_layer_bf16`` (see
+        ``LlamaModel.fused_step``); the layer then runs as one C++ call when its own modules allow it
+        (plain bf16 ``Linear`` layers, no q/k norm), with the same result as the code below.
+
         Changes: may overwrite ``x`` and ``residual`` in place; writes K/V into ``kv_cache``.
         """
+        if fused:
+            out = self.forward_fused(x, residual, rope, kv_cache, meta)
+            if out is not None:
+                return out
         if residual is None:
             residual, x = x, self.input_layernorm.forward(x)
         else:
@@ -129,6 +144,26 @@ class LlamaDecoderLayer(nn.Module):
         x = self.self_attn.forward(x, rope, kv_cache, meta)
         x, residual = self.post_attention_layernorm.forward(x, residual)
         return self.mlp.forward(x), residual
+
+    def forward_fused(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``forward`` as one ``kernels.decoder_layer_bf16`` call, or None when this layer's modules do
+        not suit it (quantized linears, a q/k norm). The caller checks the step (``LlamaModel.fused_step``).
+        """
+        # NOTE: checked on every call, not cached: quantize_model and self-speculation's deepcopy
+        # replace the Linear modules after construction.
+        attn, mlp = self.self_attn, self.mlp
+        qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+        if attn.has_qk_norm or not (type(qkv) is Linear and type(o) is Linear and type(gate_up) is Linear
+                                    and type(down) is Linear):
+            return None
+        norm, backend = self.input_layernorm, attn.backend
+        return kernels.decoder_layer_bf16(
+            x, residual, norm.weight, self.post_attention_layernorm.weight, norm.eps, (qkv.weight, qkv.bias),
+            (o.weight, o.bias), (gate_up.weight, gate_up.bias), (down.weight, down.bias), rope[0], rope[1],
+            kv_cache[0], kv_cache[1], meta, attn.num_heads, attn.num_kv_heads, attn.scale, backend.max_query_len,
+        )
 
 
 class LlamaModel(nn.Module):
@@ -159,12 +194,24 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
-        residual = None
+        residual, fused = None, self.fused_step(x)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer.forward(x, residual, rope, kv_cache, meta)
+            x, residual = layer.forward(x, residual, rope, kv_cache, meta, fused)
         if residual is None:  # no layers
             return self.norm(x)
         return self.norm(x, residual)[0]
+
+
+    def fused_step(self, x: torch.Tensor) -> bool:
+        """Whether this step's layers may run as one C++ call each (``LlamaDecoderLayer.forward_fused``):
+        bf16 activations, the C++ paged attention backend, and few enough tokens (``T``) that every
+        row is attended by its kernel and every linear layer runs ``kernels.linear_bf16``.
+        """
+        if x.dtype != torch.bfloat16 or not self.layers:
+            return False
+        backend = self.layers[0].self_attn.backend
+        return (isinstance(backend, CpuPagedAttention) and x.shape[0] <= backend.max_query_len
+                and x.shape[0] <= kernels.LINEAR_MAX_TOKENS and kernels.available())
 
 
 class LlamaForCausalLM(nn.Module):
