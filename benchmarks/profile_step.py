@@ -24,12 +24,16 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checkpoints import SHAPES, make_checkpoint  # noqa: E402
 
-KERNELS = ("linear_bf16", "linear_int8", "linear_int4", "paged_attention", "rms_norm", "rotary", "silu_and_mul")
+KERNELS = ("linear_bf16", "linear_int8", "linear_int4", "paged_attention", "rms_norm", "rotary", "silu_and_mul",
+           "fused_add_rms_norm", "rotary_", "decoder_layer_bf16")
 CATEGORIES = {
     "linear": ("tandem::linear", "aten::linear", "aten::addmm", "aten::mm", "aten::matmul"),
     "attention": ("tandem::paged_attention", "aten::_scaled_dot_product", "aten::index_copy"),
-    "norm/rope/act": ("tandem::rms_norm", "tandem::rotary", "tandem::silu_and_mul", "aten::silu", "aten::rsqrt"),
     "sampling, casts": ("aten::max", "aten::argmax", "aten::log_softmax", "aten::_to_copy", "aten::copy_"),
+    "norm/rope/act": ("tandem::rms_norm", "tandem::rotary", "tandem::silu_and_mul", "aten::silu", "aten::rsqrt",
+                      "tandem::fused_add_rms_norm"),
+    # one C++ call per decoder layer (its linears, attention, norms, rope, activation inside)
+    "decoder layers (one call each)": ("tandem::decoder_layer_bf16",),
 }
 
 
@@ -64,7 +68,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quantization", default=None)
     p.add_argument("--work-dir")
+    p.add_argument("--unfused", action="store_true",
+                   help="run each layer's kernels from Python (per-kernel breakdown) instead of one C++ call")
     args = p.parse_args(argv)
+    if args.unfused:
+        from tandem.models.llama import LlamaModel
+
+        LlamaModel.fused_step = lambda self, x: False
     from tandem.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from tandem.engine.core import EngineCore
     from tandem.request import Request

@@ -160,3 +160,64 @@ def dequantize_q8_0(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def dequantize_q4_1(qweight: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     """The bf16 weight ``[N, K]`` (``bf16(u * scale + mins)``) of a q4_1 layer (format as in ``linear_q4_1``)."""
     return load_extension().dequantize_q4_1(qweight, scale, mins)
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """In-place ``rotary``: ``x [T, H, D]`` (heads contiguous, any token stride) with ``cos, sin [T, 1, D]``.
+
+    Meant for the q and k columns of a fused qkv output viewed as ``[T, H + KV, D]``: one call, no copy.
+
+    Raises:
+        RuntimeError: mismatched dtypes or a layout other than contiguous heads (raised by the kernel).
+    """
+    load_extension().rotary_(x, cos, sin)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: ``residual = residual + x``, then ``x = rms_norm(residual, weight, eps)``; ``x, residual [R, dim]``.
+
+    vLLM's ``fused_add_rms_norm``: the residual add of a pre-norm block and the next RMSNorm in one
+    pass, rounding where ``residual + x`` followed by ``rms_norm`` round (bf16 after the add).
+
+    Raises:
+        RuntimeError: non-contiguous tensors, mismatched shapes or dtypes (raised by the kernel).
+    """
+    load_extension().fused_add_rms_norm(x, residual, weight, eps)
+
+
+def decoder_layer_bf16(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    input_norm: torch.Tensor,
+    post_norm: torch.Tensor,
+    eps: float,
+    qkv: tuple[torch.Tensor, torch.Tensor | None],
+    o: tuple[torch.Tensor, torch.Tensor | None],
+    gate_up: tuple[torch.Tensor, torch.Tensor | None],
+    down: tuple[torch.Tensor, torch.Tensor | None],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: object,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+    max_query_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole bf16 pre-norm decoder layer (Llama / Mistral / Qwen2) in one call: ``(mlp_out, residual)``.
+
+    Runs the kernels of ``LlamaDecoderLayer.forward``'s kernel path in the same order, so the result
+    is bit-identical to it: ``x [T, hidden]`` and ``residual`` (None on the first layer: ``x`` is then
+    the embeddings) as there; norm weights ``[hidden]``; ``(weight [N, K], bias [N] or None)`` per
+    linear (``qkv`` rows ordered q, k, v); ``cos, sin [T, 1, head_dim]``; caches ``[N, B, KV, D]``;
+    ``meta`` an ``AttentionMetadata``. Requires ``T <= max_query_len`` and ``T <= LINEAR_MAX_TOKENS``.
+
+    Changes: overwrites ``x`` and ``residual`` in place; writes this step's K/V into the caches.
+
+    Raises:
+        RuntimeError: wrong dtypes, shapes or layouts (raised by the kernels).
+    """
+    return load_extension().decoder_layer_bf16(
+        x, residual, input_norm, post_norm, eps, qkv[0], qkv[1], o[0], o[1], gate_up[0], gate_up[1], down[0], down[1],
+        cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        num_heads, num_kv_heads, scale, max_query_len,
+    )

@@ -25,7 +25,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = ("bindings.cpp", "linear_bf16.cpp", "linear_quant.cpp", "paged_attention.cpp", "elementwise.cpp",
-           "threads.cpp")
+           "threads.cpp", "decoder_layer.cpp")
 HEADERS = ("vec.h", "gemm_tile.h")
 CSRC = Path(__file__).resolve().parent / "csrc"
 # avx512_bf16 for vdpbf16ps; avx512bw/vl for masked 16-bit loads; dq because -mavx512dq lets the

@@ -27,7 +27,10 @@ def _use_kernels(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019), computed in float32 like transformers.
 
-    ``forward(x [..., dim]) -> [..., dim]`` in ``x``'s dtype.
+    ``forward(x [..., dim]) -> [..., dim]`` in ``x``'s dtype. ``forward(x, residual)`` with both
+    ``[T, dim]`` is a pre-norm block's residual add fused with the norm (vLLM's
+    ``fused_add_rms_norm``): ``residual = residual + x``, returns ``(norm(residual), residual)``;
+    the kernel path does it in place (``x`` holds the normed values, ``residual`` the sum).
     """
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
@@ -35,14 +38,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _use_kernels(x, self.weight):
-            return kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        weight = self.weight
+        if residual is not None:
+            if _use_kernels(x, weight) and x.is_contiguous() and residual.is_contiguous():
+                kernels.fused_add_rms_norm(x, residual, weight, self.eps)
+                return x, residual
+            residual = residual + x
+            return self.forward(residual), residual
+        if _use_kernels(x, weight):
+            return kernels.rms_norm(x.reshape(-1, x.shape[-1]), weight, self.eps).view(x.shape)
         input_dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         # NOTE: cast back before the weight multiply, as transformers does (matters in bfloat16).
-        return self.weight * h.to(input_dtype)
+        return weight * h.to(input_dtype)
 
 
 class Linear(nn.Module):
@@ -161,6 +173,18 @@ def apply_rotary(
     ):
         return kernels.rotary(q, cos, sin), kernels.rotary(k, cos, sin)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, H, D]`` in place by ``cos, sin [T, 1, D]`` and return it; ``x`` may be a view
+    with any token stride (heads contiguous), e.g. the q and k columns of a fused qkv output as
+    ``[T, H + KV, D]``, so one call rotates both without a copy. Same values as ``apply_rotary``.
+    """
+    if (_use_kernels(x, cos) and cos.shape == sin.shape == (x.shape[0], 1, x.shape[2])
+            and x.stride(2) == 1 and x.stride(1) == x.shape[2]):
+        kernels.rotary_(x, cos, sin)
+        return x
+    return x.copy_(x * cos + _rotate_half(x) * sin)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

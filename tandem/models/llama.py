@@ -10,9 +10,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.attention import AttentionBackend, AttentionMetadata, select_backend
+from tandem import kernels
+from tandem.attention import AttentionBackend, AttentionMetadata, CpuPagedAttention, select_backend
 from tandem.models.hf_config import HFModelConfig
-from tandem.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary
+from tandem.models.layers import (
+    Embedding,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    apply_rotary,
+    apply_rotary_,
+)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, KV, D]
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each [T, 1, D]
@@ -23,6 +32,9 @@ class LlamaAttention(nn.Module):
 
     # NOTE: None = o_proj has a bias iff ``attention_bias`` (Llama, Qwen3); Qwen2 sets False.
     o_proj_bias: bool | None = None
+    # True when ``norm_qk`` is not the identity (Qwen3): q and k are then normalised into new tensors
+    # before RoPE instead of being rotated in place in the qkv output.
+    has_qk_norm: bool = False
 
     def __init__(self, cfg: HFModelConfig, dtype: torch.dtype, backend: AttentionBackend) -> None:
         super().__init__()
@@ -44,14 +56,24 @@ class LlamaAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """``x [T, hidden] -> [T, hidden]``. Changes: writes this step's K/V into ``kv_cache``."""
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(*self.norm_qk(q, k), *rope)
+        """``x [T, hidden] -> [T, hidden]``. Changes: writes this step's K/V into ``kv_cache``.
+
+        q, k and v stay views of the fused qkv output (the backends take any token stride); without a
+        q/k norm one in-place rotary call rotates the q and k columns together.
+        """
+        qkv = self.qkv_proj.forward(x)
+        t, heads, kv_heads, head_dim = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q_end = heads * head_dim
+        k_end = q_end + kv_heads * head_dim
+        q = qkv[:, :q_end].view(t, heads, head_dim)
+        k = qkv[:, q_end:k_end].view(t, kv_heads, head_dim)
+        v = qkv[:, k_end:].view(t, kv_heads, head_dim)
+        if self.has_qk_norm:
+            q, k = apply_rotary(*self.norm_qk(q, k), *rope)
+        else:
+            apply_rotary_(qkv[:, :k_end].view(t, heads + kv_heads, head_dim), *rope)
         out = self.backend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.flatten(1))
+        return self.o_proj.forward(out.flatten(1))
 
 
 class LlamaMLP(nn.Module):
@@ -67,11 +89,18 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(inter, cfg.hidden_size, cfg.mlp_bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        # NOTE: ``.forward`` skips nn.Module.__call__ (no hooks are used); ~10 calls per layer per step.
+        return self.down_proj.forward(self.act.forward(self.gate_up_proj.forward(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``h = x + attn(norm(x))``, then ``h + mlp(norm(h))``.
+
+    As in vLLM the residual stream is carried separately and each residual add is fused with the
+    norm that follows it (``RMSNorm.forward(x, residual)``): ``forward(x, residual)`` returns the
+    MLP output and the residual stream before its add, which the next layer's (or the final) norm
+    performs.
+    """
 
     def __init__(
         self,
@@ -87,10 +116,54 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(
-        self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: Rope,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        fused: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, hidden]`` (the embeddings when ``residual`` is None, else the previous layer's MLP
+        output) -> ``(mlp_out, residual)``, each ``[T, hidden]``; the layer's output is their sum.
+
+        ``fused``: the caller checked that the step suits ``kernels.decoder_layer_bf16`` (see
+        ``LlamaModel.fused_step``); the layer then runs as one C++ call when its own modules allow it
+        (plain bf16 ``Linear`` layers, no q/k norm), with the same result as the code below.
+
+        Changes: may overwrite ``x`` and ``residual`` in place; writes K/V into ``kv_cache``.
+        """
+        if fused:
+            out = self.forward_fused(x, residual, rope, kv_cache, meta)
+            if out is not None:
+                return out
+        if residual is None:
+            residual, x = x, self.input_layernorm.forward(x)
+        else:
+            x, residual = self.input_layernorm.forward(x, residual)
+        x = self.self_attn.forward(x, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.forward(x, residual)
+        return self.mlp.forward(x), residual
+
+    def forward_fused(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``forward`` as one ``kernels.decoder_layer_bf16`` call, or None when this layer's modules do
+        not suit it (quantized linears, a q/k norm). The caller checks the step (``LlamaModel.fused_step``).
+        """
+        # NOTE: checked on every call, not cached: quantize_model and self-speculation's deepcopy
+        # replace the Linear modules after construction.
+        attn, mlp = self.self_attn, self.mlp
+        qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+        if attn.has_qk_norm or not (type(qkv) is Linear and type(o) is Linear and type(gate_up) is Linear
+                                    and type(down) is Linear):
+            return None
+        norm, backend = self.input_layernorm, attn.backend
+        return kernels.decoder_layer_bf16(
+            x, residual, norm.weight, self.post_attention_layernorm.weight, norm.eps, (qkv.weight, qkv.bias),
+            (o.weight, o.bias), (gate_up.weight, gate_up.bias), (down.weight, down.bias), rope[0], rope[1],
+            kv_cache[0], kv_cache[1], meta, attn.num_heads, attn.num_kv_heads, attn.scale, backend.max_query_len,
+        )
 
 
 class LlamaModel(nn.Module):
@@ -121,9 +194,24 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
+        residual, fused = None, self.fused_step(x)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer.forward(x, residual, rope, kv_cache, meta, fused)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm(x, residual)[0]
+
+
+    def fused_step(self, x: torch.Tensor) -> bool:
+        """Whether this step's layers may run as one C++ call each (``LlamaDecoderLayer.forward_fused``):
+        bf16 activations, the C++ paged attention backend, and few enough tokens (``T``) that every
+        row is attended by its kernel and every linear layer runs ``kernels.linear_bf16``.
+        """
+        if x.dtype != torch.bfloat16 or not self.layers:
+            return False
+        backend = self.layers[0].self_attn.backend
+        return (isinstance(backend, CpuPagedAttention) and x.shape[0] <= backend.max_query_len
+                and x.shape[0] <= kernels.LINEAR_MAX_TOKENS and kernels.available())
 
 
 class LlamaForCausalLM(nn.Module):

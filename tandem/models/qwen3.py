@@ -16,6 +16,8 @@ from tandem.models.llama import LlamaAttention, LlamaForCausalLM
 class Qwen3Attention(LlamaAttention):
     """Adds ``q_norm`` / ``k_norm`` (RMSNorm over ``head_dim``, shared by all heads) before RoPE."""
 
+    has_qk_norm = True
+
     def __init__(self, cfg: HFModelConfig, dtype: torch.dtype, backend: AttentionBackend) -> None:
         super().__init__(cfg, dtype, backend)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)

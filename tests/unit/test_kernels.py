@@ -208,3 +208,76 @@ def test_linear_bf16_propagates_inf_and_nan_like_f_linear(m: int) -> None:
     assert torch.equal(y[ref.isinf()], ref[ref.isinf()])
     finite = ref.isfinite()
     assert ((y[finite] - ref[finite]).abs() <= 2**-8 * ref[finite].abs() + 1e-3).all()
+@pytest.fixture
+def torch_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the layers in tandem.models.layers take their PyTorch path (the kernels' oracle)."""
+    from tandem.models import layers
+
+    monkeypatch.setattr(layers, "_use_kernels", lambda *args: False)
+
+
+@pytest.mark.parametrize("dim", [8, 17, 64, 896])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_rms_norm_matches_add_then_norm(dim: int, dtype: torch.dtype, torch_layers: None) -> None:
+    g = gen(dim + 1)
+    norm = RMSNorm(dim, 1e-6, dtype)
+    norm.weight.data.copy_(1 + 0.3 * torch.randn(dim, generator=g))
+    x = (3 * torch.randn(5, dim, generator=g)).to(dtype)
+    residual = (3 * torch.randn(5, dim, generator=g)).to(dtype)
+    expected_residual = residual + x  # one rounding of the fp32 sum, as the kernel does
+    expected = norm(expected_residual)  # PyTorch path (fixture)
+    # The layer's fused call on its PyTorch path: the same add, then the norm, out of place.
+    fallback, fallback_residual = norm(x.clone(), residual.clone())
+    assert torch.equal(fallback_residual, expected_residual) and torch.equal(fallback, expected)
+    kernels.fused_add_rms_norm(x, residual, norm.weight, 1e-6)
+    assert torch.equal(residual, expected_residual)
+    assert_matches_rounding(x, expected)
+
+
+def test_fused_add_rms_norm_rejects_bad_layouts() -> None:
+    w = torch.ones(8, dtype=torch.bfloat16)
+    x = torch.zeros(4, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.fused_add_rms_norm(torch.zeros(8, 4, dtype=torch.bfloat16).t(), x, w, 1e-6)
+    with pytest.raises(RuntimeError, match="dtype"):
+        kernels.fused_add_rms_norm(x, x.float(), w, 1e-6)
+    with pytest.raises(RuntimeError, match=r"\[R, dim\]"):
+        kernels.fused_add_rms_norm(x, torch.zeros(3, 8, dtype=torch.bfloat16), w, 1e-6)
+
+
+@pytest.mark.parametrize(("heads", "kv", "d"), [(4, 2, 8), (14, 2, 64), (3, 1, 34), (2, 2, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_on_fused_qkv_matches_torch(heads: int, kv: int, d: int, dtype: torch.dtype,
+                                                    torch_layers: None) -> None:
+    g = gen(heads * d + kv)
+    t = 5
+    qkv = torch.randn(t, (heads + 2 * kv) * d, generator=g).to(dtype)
+    angles = torch.rand(t, 1, d // 2, generator=g) * 100
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype)
+    q_end, k_end = heads * d, (heads + kv) * d
+    expected_q, expected_k = apply_rotary(qkv[:, :q_end].view(t, heads, d), qkv[:, q_end:k_end].view(t, kv, d), cos,
+                                          sin)  # PyTorch path (fixture)
+    v_before = qkv[:, k_end:].clone()
+    kernels.rotary_(qkv[:, :k_end].view(t, heads + kv, d), cos, sin)
+    assert_matches_rounding(qkv[:, :q_end].view(t, heads, d), expected_q)
+    assert_matches_rounding(qkv[:, q_end:k_end].view(t, kv, d), expected_k)
+    assert torch.equal(qkv[:, k_end:], v_before)  # v columns untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_rotary_kernels_match_the_torch_path(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layers' kernel path (default here) against their PyTorch path on the same inputs."""
+    from tandem.models import layers
+
+    g = gen(7)
+    norm = RMSNorm(896, 1e-6, dtype)
+    norm.weight.data.copy_(1 + 0.3 * torch.randn(896, generator=g))
+    x = (3 * torch.randn(3, 896, generator=g)).to(dtype)
+    qk = torch.randn(3, 16, 64, generator=g).to(dtype)
+    angles = torch.rand(3, 1, 32, generator=g) * 100
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    fast_norm, fast_rot = norm(x), layers.apply_rotary_(qk.clone(), cos, sin)
+    monkeypatch.setattr(layers, "_use_kernels", lambda *args: False)
+    assert_matches_rounding(fast_norm, norm(x))
+    assert_matches_rounding(fast_rot, layers.apply_rotary_(qk.clone(), cos, sin))

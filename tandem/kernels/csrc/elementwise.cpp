@@ -53,16 +53,42 @@ void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t dim, floa
   });
 }
 
+// residual = round(residual + x), then x = weight * round(residual * rsqrt(mean(residual^2) + eps)), in
+// place: the "x + attn(...)" of a pre-norm block followed by the next RMSNorm (vLLM's fused_add_rms_norm).
+template <typename T>
+void add_rms_norm_rows(T* x, T* res, const T* w, int64_t rows, int64_t dim, float eps) {
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* xr = x + r * dim;
+      T* rr = res + r * dim;
+      __m512 ss = _mm512_setzero_ps();
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __mmask16 m = lane_mask(dim - d);
+        __m512 v = round_t<T>(_mm512_add_ps(load16(rr + d, m), load16(xr + d, m)));
+        store16(rr + d, v, m);
+        ss = _mm512_fmadd_ps(v, v, ss);
+      }
+      const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(dim) + eps);
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __mmask16 m = lane_mask(dim - d);
+        __m512 h = round_t<T>(_mm512_mul_ps(load16(rr + d, m), _mm512_set1_ps(inv)));
+        store16(xr + d, _mm512_mul_ps(load16(w + d, m), h), m);
+      }
+    }
+  });
+}
+
+// y may alias x (in place): each 16-lane step loads both halves before it stores either.
 template <typename T>
 void rotary_rows(const T* x, int64_t tokens, int64_t heads, int64_t tok_stride, const T* cos, const T* sin,
-                 T* y, int64_t D) {
+                 T* y, int64_t y_tok_stride, int64_t D) {
   const int64_t half = D / 2;
   for (int64_t t = 0; t < tokens; ++t) {
     const T* c = cos + t * D;
     const T* s = sin + t * D;
     for (int64_t h = 0; h < heads; ++h) {
       const T* xr = x + t * tok_stride + h * D;
-      T* yr = y + (t * heads + h) * D;
+      T* yr = y + t * y_tok_stride + h * D;
       for (int64_t d = 0; d < half; d += 16) {
         const __mmask16 m = lane_mask(half - d);
         __m512 x1 = load16(xr + d, m), x2 = load16(xr + half + d, m);
@@ -126,11 +152,51 @@ at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   auto y = at::empty({x.size(0), x.size(1), x.size(2)}, x.options());
   if (x.scalar_type() == at::kBFloat16)
     rotary_rows(x.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), x.stride(0), cos.data_ptr<c10::BFloat16>(),
-                sin.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), x.size(2));
+                sin.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), y.stride(0), x.size(2));
   else
     rotary_rows(x.data_ptr<float>(), x.size(0), x.size(1), x.stride(0), cos.data_ptr<float>(),
-                sin.data_ptr<float>(), y.data_ptr<float>(), x.size(2));
+                sin.data_ptr<float>(), y.data_ptr<float>(), y.stride(0), x.size(2));
   return y;
+}
+
+// In-place rotary of x [T, H, D] (heads contiguous, any token stride): one call rotates q and k
+// when x views the q and k columns of the fused qkv output.
+void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rotary_: x [T, H, D], heads contiguous");
+  TORCH_CHECK(x.size(2) % 2 == 0, "rotary_: head_dim must be even");
+  cos = cos.reshape({x.size(0), x.size(2)}).contiguous();
+  sin = sin.reshape({x.size(0), x.size(2)}).contiguous();
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "rotary_: bf16 or fp32 only");
+  check_dtype(cos, x.scalar_type(), "rotary_");
+  check_dtype(sin, x.scalar_type(), "rotary_");
+  if (x.scalar_type() == at::kBFloat16) {
+    auto* p = x.data_ptr<c10::BFloat16>();
+    rotary_rows(p, x.size(0), x.size(1), x.stride(0), cos.data_ptr<c10::BFloat16>(), sin.data_ptr<c10::BFloat16>(),
+                p, x.stride(0), x.size(2));
+  } else {
+    auto* p = x.data_ptr<float>();
+    rotary_rows(p, x.size(0), x.size(1), x.stride(0), cos.data_ptr<float>(), sin.data_ptr<float>(), p, x.stride(0),
+                x.size(2));
+  }
+}
+
+// In place: residual += x (rounded to the dtype), then x = rms_norm(residual) * weight; both [R, dim]
+// contiguous. Same roundings as "residual + x" followed by rms_norm (transformers' decoder layer).
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.sizes() == residual.sizes() && weight.dim() == 1 && weight.size(0) == x.size(1),
+              "fused_add_rms_norm: x, residual [R, dim], w [dim]");
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
+              "fused_add_rms_norm: tensors must be contiguous");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "fused_add_rms_norm: bf16 or fp32 only");
+  check_dtype(residual, x.scalar_type(), "fused_add_rms_norm");
+  check_dtype(weight, x.scalar_type(), "fused_add_rms_norm");
+  if (x.scalar_type() == at::kBFloat16)
+    add_rms_norm_rows(x.data_ptr<c10::BFloat16>(), residual.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(),
+                      x.size(0), x.size(1), static_cast<float>(eps));
+  else
+    add_rms_norm_rows(x.data_ptr<float>(), residual.data_ptr<float>(), weight.data_ptr<float>(), x.size(0), x.size(1),
+                      static_cast<float>(eps));
 }
 
 // x [R, 2d] (gate first) -> silu(gate) * up [R, d].
