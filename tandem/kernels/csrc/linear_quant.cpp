@@ -19,6 +19,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <vector>
 
 #include "gemm_tile.h"
@@ -154,6 +155,100 @@ void run_q8_0_one_token(const int8_t* q, const at::Half* scale, const at::Tensor
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // one row at a time, as for int8
     for (int64_t row = begin; row < end; ++row) {
       const float acc = q8_0_row_one_token(q + row * K, scale + row * (K / 32), K, x32.data());
+      out.store(&acc, 1, 1, row);
+    }
+  });
+}
+
+// One token, q8_0, with the activations quantized as llama.cpp does (ggml-quants.c quantize_row_q8_0
+// and ggml_vec_dot_q8_0_q8_0): x is split into blocks of 32 like the weights, block b gets
+// dx_b = max|x_b| / 127 and xq = round(x / dx_b) in [-127, 127] (fp32, round half to even), once per
+// token; then sum_j w_j x_j ~= sum_b d_b dx_b I_b with the exact integer I_b = sum_j q_j xq_j.
+// VNNI's vpdpbusd multiplies unsigned by signed bytes, so the weight bytes are flipped to u = q + 128
+// (XOR 0x80) and I_b = sum_j u_j xq_j - 128 S_b with S_b = sum_j xq_j, a per-token constant: the
+// accumulator of block b starts at -16 S_b in each of its 8 int32 lanes. Blocks go in pairs (64
+// bytes: lanes 0-7 block a, 8-15 block b), scaled by [d_a dx_a x 8, d_b dx_b x 8]. About 6
+// instructions per 64 weights instead of 18 for the fp32 path above.
+// Error against the exact sum: |x_j - xq_j dx_b| <= dx_b / 2, so |y - x.w| <= sum_b dx_b / 2 sum_j |w_j|
+// (about 0.4% of |x| . |w| at worst), plus fp32 rounding of the per-block products.
+struct Q8Activations {
+  int64_t blocks = 0, pairs = 0;
+  std::vector<int8_t> xq;      // [64 * pairs]: K codes, zero-padded to a whole pair
+  std::vector<int32_t> init;   // [16 * pairs]: -16 S_b on the 8 lanes of block b
+  std::vector<float> dx;       // [16 * ceil(blocks / 16)]: dx_b, zero-padded
+};
+
+inline Q8Activations quantize_activations(const at::BFloat16* x, int64_t K) {
+  Q8Activations a;
+  a.blocks = K / 32;
+  a.pairs = (a.blocks + 1) / 2;
+  a.xq.assign(64 * a.pairs, 0);
+  a.init.assign(16 * a.pairs, 0);
+  a.dx.assign(16 * ((a.blocks + 15) / 16), 0.0f);
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const __m256i* src = reinterpret_cast<const __m256i*>(x + 32 * b);
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(src)), 16));
+    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(src + 1)), 16));
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(lo, abs_mask), _mm512_and_ps(hi, abs_mask)));
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m512 idv = _mm512_set1_ps(id);
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, idv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, idv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.xq.data() + 32 * b), _mm512_cvtsepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.xq.data() + 32 * b + 16), _mm512_cvtsepi32_epi8(qhi));
+    const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    for (int j = 0; j < 8; ++j) a.init[8 * b + j] = -16 * s;
+    a.dx[b] = d;
+  }
+  return a;
+}
+
+__attribute__((target("avx512vnni"))) inline float q8_0_row_vnni(const int8_t* q, const at::Half* scale,
+                                                                 const Q8Activations& a, const __m512i* pair_idx) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const auto* xq = reinterpret_cast<const __m512i*>(a.xq.data());
+  const auto* init = reinterpret_cast<const __m512i*>(a.init.data());
+  const int64_t full = a.blocks / 2;  // whole pairs
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < a.blocks; g0 += 16) {  // 16 blocks = 8 pairs share one scale conversion
+    const __m512 s16 = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lane_mask(a.blocks - g0), scale + g0)),
+                                     _mm512_loadu_ps(a.dx.data() + g0));
+    const int64_t p0 = g0 / 2, p_end = std::min<int64_t>(full, p0 + 8);
+    int64_t p = p0;
+    for (; p + 2 <= p_end; p += 2) {
+      const __m512i u0 = _mm512_xor_si512(_mm512_loadu_si512(q + 64 * p), flip);
+      const __m512i u1 = _mm512_xor_si512(_mm512_loadu_si512(q + 64 * p + 64), flip);
+      const __m512i i0 = _mm512_dpbusd_epi32(_mm512_loadu_si512(init + p), u0, _mm512_loadu_si512(xq + p));
+      const __m512i i1 = _mm512_dpbusd_epi32(_mm512_loadu_si512(init + p + 1), u1, _mm512_loadu_si512(xq + p + 1));
+      acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_permutexvar_ps(pair_idx[p - p0], s16), acc0);
+      acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_permutexvar_ps(pair_idx[p + 1 - p0], s16), acc1);
+    }
+    if (p < p_end) {
+      const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(q + 64 * p), flip);
+      const __m512i i = _mm512_dpbusd_epi32(_mm512_loadu_si512(init + p), u, _mm512_loadu_si512(xq + p));
+      acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_permutexvar_ps(pair_idx[p - p0], s16), acc0);
+    }
+  }
+  if (a.blocks % 2) {  // the last block alone: its pair's lanes 8-15 would read past the row
+    const int64_t p = full;
+    const __m512i u = _mm512_xor_si512(_mm512_maskz_loadu_epi8(0xFFFFFFFFULL, q + 64 * p), flip);
+    const __m512i i = _mm512_maskz_dpbusd_epi32(0xFF, _mm512_loadu_si512(init + p), u, _mm512_loadu_si512(xq + p));
+    const float s = static_cast<float>(scale[2 * p]) * a.dx[2 * p];
+    acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_set1_ps(s), acc0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
+__attribute__((target("avx512vnni"))) void run_q8_0_one_token_vnni(const int8_t* q, const at::Half* scale,
+                                                                   const at::Tensor& x, int64_t N, int64_t K,
+                                                                   const at::Tensor& bias, at::Tensor& y) {
+  const Q8Activations a = quantize_activations(x.data_ptr<at::BFloat16>(), K);
+  __m512i pair_idx[8];  // lanes 0-7 pick scale 2j (block a), lanes 8-15 scale 2j + 1 (block b)
+  for (int j = 0; j < 8; ++j) pair_idx[j] = _mm512_mask_set1_epi32(_mm512_set1_epi32(2 * j), 0xFF00, 2 * j + 1);
+  const tandem::Output out = tandem::output(y, nullptr, bias);
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // one row at a time, as for int8
+    for (int64_t row = begin; row < end; ++row) {
+      const float acc = q8_0_row_vnni(q + row * K, scale + row * (K / 32), a, pair_idx);
       out.store(&acc, 1, 1, row);
     }
   });
@@ -387,6 +482,14 @@ at::Tensor dequantize(at::Tensor qweight, at::Tensor scale) {
 
 namespace {
 
+// The one-token q8_0 kernel quantizes the activations (run_q8_0_one_token_vnni) when the CPU has
+// AVX512-VNNI, unless TANDEM_Q8_0_EXACT=1 (read on every call) asks for exact products in fp32.
+bool q8_0_vnni() {
+  static const bool has_vnni = __builtin_cpu_supports("avx512vnni");
+  const char* exact = std::getenv("TANDEM_Q8_0_EXACT");
+  return has_vnni && !(exact != nullptr && exact[0] == '1');
+}
+
 void check_groups(const at::Tensor& t, int64_t N, int64_t K, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kHalf && t.dim() == 2 && t.size(0) == N && t.size(1) == K / 32 &&
                   t.is_contiguous(),
@@ -430,6 +533,10 @@ at::Tensor linear_q8_0(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::
   const int64_t K = check_q8_0(qweight, scale), N = qweight.size(0);
   at::Tensor b;
   at::Tensor y = tandem::prepare_linear(x, N, K, bias, b, "linear_q8_0");
+  if (x.size(0) == 1 && q8_0_vnni()) {
+    run_q8_0_one_token_vnni(qweight.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), x, N, K, b, y);
+    return y;
+  }
   if (x.size(0) == 1) {
     run_q8_0_one_token(qweight.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), x, N, K, b, y);
     return y;
