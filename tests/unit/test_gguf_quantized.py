@@ -55,8 +55,8 @@ def file_codes(original: np.ndarray, qtype: Q) -> dict[str, np.ndarray]:
     width = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20}[qtype]
     blocks = gguf.quants.quantize(original.astype(np.float32), qtype).reshape(n, k // 32, width)
     parts = {"scale": blocks[..., :2].copy().view(np.float16).reshape(n, -1)}
-    if qtype == Q.Q4_1:
-        parts["mins"] = blocks[..., 2:4].copy().view(np.float16).reshape(n, -1)
+    if qtype == Q.Q4_1:  # (d, m) pairs
+        parts["scale"] = blocks[..., :4].copy().view(np.float16).reshape(n, -1, 2)
     codes = blocks[..., 4 if qtype == Q.Q4_1 else 2:].copy()
     parts["qweight"] = codes.view(np.int8).reshape(n, k) if qtype == Q.Q8_0 else codes.reshape(n, k // 2)
     return parts

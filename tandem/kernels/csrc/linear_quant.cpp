@@ -5,8 +5,10 @@
 //   int4  qweight uint8 [N, K / 2], scale fp16 [N, K / 32]: in group g of row n (32 weights, 16 bytes,
 //         llama.cpp Q4_0's layout), byte j holds (q_j + 8) | (q_{j+16} + 8) << 4 and w = q * scale[n, g].
 //   q8_0  qweight int8 [N, K], scale fp16 [N, K / 32]: w = q * scale[n, g] (llama.cpp Q8_0's blocks).
-//   q4_1  qweight uint8 [N, K / 2] (int4's nibble layout, u = nibble in 0..15), scale and min fp16
-//         [N, K / 32]: w = u * scale[n, g] + min[n, g] (llama.cpp Q4_1's blocks).
+//   q4_1  qweight uint8 [N, K / 2] (int4's nibble layout, u = nibble in 0..15), scale fp16 [N, K / 32, 2]
+//         holding (d, m) per group: w = u * d + m (llama.cpp Q4_1's blocks; d and m side by side, so a
+//         row streams one array of them besides its codes: two separate arrays cost 40% more on a
+//         layer streamed from DRAM).
 // Source of the block formats: ggml-quants.c (dequantize_row_q8_0 / q4_0 / q4_1).
 // One token (decode at batch 1, memory-bound) reads one row at a time straight from the quantized
 // bytes (int8_row_one_token, int4_row_one_token). Several tokens: each thread walks tiles of 4 rows,
@@ -45,6 +47,16 @@ inline void halves_to_floats(const at::Half* src, int64_t n, float* dst) {
   _mm512_store_ps(dst, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lane_mask(n), src)));
 }
 
+// (d, m) fp16 pairs src[0, 2n) (n <= 16 pairs; lanes past n are 0) -> d and m as 16 floats each.
+inline void pairs_to_floats(const at::Half* src, int64_t n, __m512* d, __m512* m) {
+  const int64_t h = 2 * std::min<int64_t>(n, 16);
+  const __m512i raw = _mm512_maskz_loadu_epi16(h >= 32 ? (__mmask32)0xFFFFFFFF : (__mmask32)((1u << h) - 1), src);
+  const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(raw)), hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(raw, 1));
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  *d = _mm512_permutex2var_ps(lo, even, hi);
+  *m = _mm512_permutex2var_ps(lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi);
+}
+
 struct Int8Rows {
   const int8_t* q;
   int64_t K;
@@ -68,24 +80,28 @@ struct Int4Rows {
   const uint8_t* q;
   const at::Half* scale;
   int64_t K;
-  const at::Half* mins = nullptr;  // q4_1: w = u * d + m; else (Q4_0) w = (u - 8) * d
+  bool q4_1 = false;  // scale holds (d, m) pairs and w = u * d + m; else (Q4_0) w = (u - 8) * d
   // n and k0 are multiples of 32 (K % 32 == 0 is checked).
   void operator()(int64_t row, int64_t k0, int64_t n, uint16_t* dst, int64_t pf_row) const {
     const uint8_t* src = q + row * (K / 2) + k0 / 2;
     const uint8_t* pf = pf_row >= 0 ? q + pf_row * (K / 2) + k0 / 2 : nullptr;
-    const at::Half* s = scale + row * (K / 32) + k0 / 32;
-    const at::Half* mn = mins != nullptr ? mins + row * (K / 32) + k0 / 32 : nullptr;
+    const int64_t per = q4_1 ? 2 : 1;  // halves per group
+    const at::Half* s = scale + per * (row * (K / 32) + k0 / 32);
     const __m512i low4 = _mm512_set1_epi32(0xF);
     alignas(64) float ds[16], ms[16];
     for (int64_t g = 0; g < n / 32; ++g) {
-      if (g % 16 == 0) {
+      if (g % 16 == 0 && q4_1) {
+        __m512 dv, mv;
+        pairs_to_floats(s + 2 * g, n / 32 - g, &dv, &mv);
+        _mm512_store_ps(ds, dv);
+        _mm512_store_ps(ms, mv);
+      } else if (g % 16 == 0) {
         halves_to_floats(s + g, n / 32 - g, ds);
-        if (mn != nullptr) halves_to_floats(mn + g, n / 32 - g, ms);
       }
       if (pf != nullptr && (g & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(pf + 16 * g), _MM_HINT_T0);
       const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * g)));
       const float d = ds[g % 16];
-      const __m512 dv = _mm512_set1_ps(d), off = _mm512_set1_ps(mn != nullptr ? ms[g % 16] : -8.0f * d);
+      const __m512 dv = _mm512_set1_ps(d), off = _mm512_set1_ps(q4_1 ? ms[g % 16] : -8.0f * d);
       __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low4)), dv, off);
       __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), dv, off);
       _mm512_storeu_si512(dst + 32 * g, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
@@ -299,21 +315,24 @@ void run_int8_one_token(const int8_t* q, const at::Tensor& x, int64_t N, int64_t
 // so x is pre-permuted to match (xp: per pair [x_a 0-15, x_b 0-15], [x_a 16-31, x_b 16-31]); the dot
 // lanes 0-7 then belong to a, 8-15 to b, scaled by [d_a x 8, d_b x 8], permuted out of 16 scales
 // converted from fp16 per block of 8 pairs. About 10 instructions per 64 weights.
-// q4_1 (mins != nullptr): w = u d + m, so sum_j x_j w_j = d_g (T_g - 128 X_g) + m_g X_g and
+// q4_1 (scale holds (d, m) pairs): w = u d + m, so sum_j x_j w_j = d_g (T_g - 128 X_g) + m_g X_g and
 // y = sum_g d_g T_g - 128 sum_g d_g X_g + sum_g m_g X_g.
+template <bool Q41>
 inline float int4_row_one_token(const uint8_t* q, const at::Half* scale, int64_t K, const uint16_t* xp,
-                                const uint16_t* x, const float* xsum, const __m512i* pair_idx,
-                                const at::Half* mins) {
+                                const uint16_t* x, const float* xsum, const __m512i* pair_idx) {
   const int64_t groups = K / 32, pairs = groups / 2;
   const __m512i low4 = _mm512_set1_epi16(0x0F), magic = _mm512_set1_epi16(0x4300);
   __m512 acc = _mm512_setzero_ps(), corr = _mm512_setzero_ps(), corr_min = _mm512_setzero_ps();
   for (int64_t g0 = 0; g0 < groups; g0 += 16) {  // blocks of 16 groups = 8 pairs
     const __mmask16 gm = lane_mask(groups - g0);
-    const __m512 d16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, scale + g0));
+    __m512 d16, m16;
+    if (Q41)
+      pairs_to_floats(scale + 2 * g0, groups - g0, &d16, &m16);
+    else
+      d16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, scale + g0));
     const __m512 xs16 = _mm512_maskz_loadu_ps(gm, xsum + g0);
     corr = _mm512_fmadd_ps(d16, xs16, corr);
-    if (mins != nullptr)
-      corr_min = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, mins + g0)), xs16, corr_min);
+    if (Q41) corr_min = _mm512_fmadd_ps(m16, xs16, corr_min);
     const int64_t p_end = std::min<int64_t>(pairs, g0 / 2 + 8);
     for (int64_t p = g0 / 2; p < p_end; ++p) {
       const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * p)));
@@ -332,16 +351,17 @@ inline float int4_row_one_token(const uint8_t* q, const at::Half* scale, int64_t
     __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_maskz_loadu_epi16(0xFFFF, x + 32 * g),
                                 (__m512bh)lo);
     t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_maskz_loadu_epi16(0xFFFF, x + 32 * g + 16), (__m512bh)hi);
-    acc = _mm512_fmadd_ps(t, _mm512_set1_ps(static_cast<float>(scale[g])), acc);
+    acc = _mm512_fmadd_ps(t, _mm512_set1_ps(static_cast<float>(scale[Q41 ? 2 * g : g])), acc);
   }
   // NOTE: one horizontal sum per row (each costs about as much as a pair of groups on short rows).
-  if (mins != nullptr)
+  if (Q41)
     return _mm512_reduce_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(-128.0f), corr, _mm512_add_ps(acc, corr_min)));
   return _mm512_reduce_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(-136.0f), corr, acc));
 }
 
+template <bool Q41>
 void run_int4_one_token(const uint8_t* q, const at::Half* scale, const at::Tensor& x, int64_t N, int64_t K,
-                        const at::Tensor& bias, at::Tensor& y, const at::Half* mins = nullptr) {
+                        const at::Tensor& bias, at::Tensor& y) {
   const int64_t groups = K / 32, pairs = groups / 2;
   const auto* x16 = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const at::BFloat16* xb = x.data_ptr<at::BFloat16>();
@@ -365,8 +385,8 @@ void run_int4_one_token(const uint8_t* q, const at::Half* scale, const at::Tenso
   const tandem::Output out = tandem::output(y, nullptr, bias);
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // one row at a time, as for int8
     for (int64_t row = begin; row < end; ++row) {
-      const float acc = int4_row_one_token(q + row * (K / 2), scale + row * groups, K, xperm.data(), x16,
-                                           xsum.data(), pair_idx, mins == nullptr ? nullptr : mins + row * groups);
+      const float acc = int4_row_one_token<Q41>(q + row * (K / 2), scale + (Q41 ? 2 : 1) * row * groups, K,
+                                                xperm.data(), x16, xsum.data(), pair_idx);
       out.store(&acc, 1, 1, row);
     }
   });
@@ -439,7 +459,7 @@ at::Tensor linear_int4(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::
   at::Tensor b;
   at::Tensor y = tandem::prepare_linear(x, N, K, bias, b, "linear_int4");
   if (x.size(0) == 1) {
-    run_int4_one_token(qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), x, N, K, b, y);
+    run_int4_one_token<false>(qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), x, N, K, b, y);
     return y;
   }
   run(Int4Rows{qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K}, x, N, K, nullptr, b, y);
@@ -496,13 +516,14 @@ void check_groups(const at::Tensor& t, int64_t N, int64_t K, const char* what) {
               what, " must be contiguous fp16 [N, K / 32]");
 }
 
-int64_t check_q4_1(const at::Tensor& qweight, const at::Tensor& scale, const at::Tensor& mins) {
+int64_t check_q4_1(const at::Tensor& qweight, const at::Tensor& scale) {
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous(),
               "q4_1: qweight must be contiguous uint8 [N, K / 2]");
   const int64_t N = qweight.size(0), K = 2 * qweight.size(1);
   TORCH_CHECK(K % 32 == 0, "q4_1: K must be a multiple of 32");
-  check_groups(scale, N, K, "q4_1: scale");
-  check_groups(mins, N, K, "q4_1: min");
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.dim() == 3 && scale.size(0) == N && scale.size(1) == K / 32 &&
+                  scale.size(2) == 2 && scale.is_contiguous(),
+              "q4_1: scale must be contiguous fp16 [N, K / 32, 2] (d, m pairs)");
   return K;
 }
 
@@ -545,18 +566,16 @@ at::Tensor linear_q8_0(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::
   return y;
 }
 
-// x [M, K] bf16, qweight uint8 [N, K / 2], scale and min fp16 [N, K / 32], bias [N] bf16 or None -> y [M, N].
-at::Tensor linear_q4_1(at::Tensor x, at::Tensor qweight, at::Tensor scale, at::Tensor mins,
-                       c10::optional<at::Tensor> bias) {
-  const int64_t K = check_q4_1(qweight, scale, mins), N = qweight.size(0);
+// x [M, K] bf16, qweight uint8 [N, K / 2], scale fp16 [N, K / 32, 2] (d, m), bias [N] bf16 or None -> y [M, N].
+at::Tensor linear_q4_1(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::optional<at::Tensor> bias) {
+  const int64_t K = check_q4_1(qweight, scale), N = qweight.size(0);
   at::Tensor b;
   at::Tensor y = tandem::prepare_linear(x, N, K, bias, b, "linear_q4_1");
-  const at::Half* m = mins.data_ptr<at::Half>();
   if (x.size(0) == 1) {
-    run_int4_one_token(qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), x, N, K, b, y, m);
+    run_int4_one_token<true>(qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), x, N, K, b, y);
     return y;
   }
-  run(Int4Rows{qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K, m}, x, N, K, nullptr, b, y);
+  run(Int4Rows{qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K, true}, x, N, K, nullptr, b, y);
   return y;
 }
 
@@ -566,10 +585,8 @@ at::Tensor dequantize_q8_0(at::Tensor qweight, at::Tensor scale) {
   return dequantize_rows(Q80Rows{qweight.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), K}, qweight, K);
 }
 
-// bf16(u * scale + min) [N, K] of a q4_1 layer (qweight uint8 [N, K / 2], scale and min fp16 [N, K / 32]).
-at::Tensor dequantize_q4_1(at::Tensor qweight, at::Tensor scale, at::Tensor mins) {
-  const int64_t K = check_q4_1(qweight, scale, mins);
-  return dequantize_rows(Int4Rows{qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K,
-                                  mins.data_ptr<at::Half>()},
-                         qweight, K);
+// bf16(u * d + m) [N, K] of a q4_1 layer (qweight uint8 [N, K / 2], scale fp16 [N, K / 32, 2] (d, m)).
+at::Tensor dequantize_q4_1(at::Tensor qweight, at::Tensor scale) {
+  const int64_t K = check_q4_1(qweight, scale);
+  return dequantize_rows(Int4Rows{qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K, true}, qweight, K);
 }
