@@ -10,7 +10,8 @@ Activations stay in the model dtype; only the weights of the linear layers are s
         why llama.cpp keeps its output tensor at higher precision too), use int8.
 Two more formats hold a GGUF file's blocks as they are (``tandem/models/gguf_convert.py``, llama.cpp's
 ggml-quants.c ``dequantize_row_q8_0`` / ``_q4_1``; GGUF Q4_0 is exactly ``int4``):
-  q8_0  group-32 symmetric int8: ``qweight [N, K]`` int8, ``scale [N, K/32]`` fp16, ``w = q * d``.
+  q8_0  group-32 symmetric int8: ``qweight [N, K]`` int8, ``scale [N, K/32]`` fp16, ``w = q * d``
+        (``QuantizedLinear.empty`` makes both strided views of one buffer, a row's scales then its codes).
   q4_1  group-32 asymmetric int4: ``qweight [N, K/2]`` uint8 in int4's nibble layout (u in 0..15),
         ``scale [N, K/32, 2]`` fp16 pairs ``(d, m)`` (the first 4 bytes of each block, interleaved so a
         row's scales and mins are one stream), ``w = u * d + m``.
@@ -171,7 +172,19 @@ class QuantizedLinear(nn.Module):
         nn.Module.__init__(self)
         self.output_sizes, self.shard_names = list(output_sizes), tuple(shard_names)
         self.in_features, self.method = input_size, method
-        for name, (shape, buf_dtype) in quantized_shapes(method, sum(output_sizes), input_size).items():
+        shapes = quantized_shapes(method, sum(output_sizes), input_size)
+        if method == "q8_0":
+            # NOTE: one buffer, each row's fp16 scales just before its codes (both starting 64-byte aligned):
+            # the kernels read the weights as one sequential stream (about 34 bytes per 32 weights, as
+            # llama.cpp's blocks); ``qweight`` and ``scale`` are strided views of it. Separate arrays are
+            # two streams, measured 15-20% slower on layers read from DRAM.
+            (n, k), groups = shapes["qweight"][0], shapes["scale"][0][1]
+            head = -(-2 * groups // 64) * 64
+            packed = torch.empty(n, -(-(head + k) // 64) * 64, dtype=torch.int8)
+            self.register_buffer("scale", packed[:, : 2 * groups].view(torch.float16))
+            self.register_buffer("qweight", packed[:, head : head + k])
+            shapes = {}
+        for name, (shape, buf_dtype) in shapes.items():
             self.register_buffer(name, torch.empty(shape, dtype=buf_dtype))
         out = sum(output_sizes)
         self.bias = nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False) if bias else None
