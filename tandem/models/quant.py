@@ -10,16 +10,19 @@ Activations stay in the model dtype; only the weights of the linear layers are s
         why llama.cpp keeps its output tensor at higher precision too), use int8.
 Two more formats hold a GGUF file's blocks as they are (``tandem/models/gguf_convert.py``, llama.cpp's
 ggml-quants.c ``dequantize_row_q8_0`` / ``_q4_1``; GGUF Q4_0 is exactly ``int4``):
-  q8_0  group-32 symmetric int8: ``qweight [N, K]`` int8, ``scale [N, K/32]`` fp16, ``w = q * d``
-        (``QuantizedLinear.empty`` makes both strided views of one buffer, a row's scales then its codes).
+  q8_0  group-32 symmetric int8: ``qweight [N, K]`` int8, ``scale [N, K/32]`` fp16, ``w = q * d``.
   q4_1  group-32 asymmetric int4: ``qweight [N, K/2]`` uint8 in int4's nibble layout (u in 0..15),
         ``scale [N, K/32, 2]`` fp16 pairs ``(d, m)`` (the first 4 bytes of each block, interleaved so a
         row's scales and mins are one stream), ``w = u * d + m``.
+``QuantizedLinear.empty`` makes a q8_0 / q4_1 layer's ``qweight`` and ``scale`` strided views of one buffer
+(per row: its scales, then its codes, each starting 64-byte aligned), so a layer is one sequential stream.
 The C++ kernels (``tandem.kernels.linear_int8/int4/q8_0/q4_1``) multiply bf16 activations with these
 formats at decode sizes; larger batches (prefill) and other dtypes dequantize the weight and use ``F.linear``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -173,15 +176,17 @@ class QuantizedLinear(nn.Module):
         self.output_sizes, self.shard_names = list(output_sizes), tuple(shard_names)
         self.in_features, self.method = input_size, method
         shapes = quantized_shapes(method, sum(output_sizes), input_size)
-        if method == "q8_0":
+        if method in ("q8_0", "q4_1"):
             # NOTE: one buffer, each row's fp16 scales just before its codes (both starting 64-byte aligned):
             # the kernels read the weights as one sequential stream (about 34 bytes per 32 weights, as
             # llama.cpp's blocks); ``qweight`` and ``scale`` are strided views of it. Separate arrays are
             # two streams, measured 15-20% slower on layers read from DRAM.
-            (n, k), groups = shapes["qweight"][0], shapes["scale"][0][1]
-            head = -(-2 * groups // 64) * 64
-            packed = torch.empty(n, -(-(head + k) // 64) * 64, dtype=torch.int8)
-            self.register_buffer("scale", packed[:, : 2 * groups].view(torch.float16))
+            (n, k), code_dtype = shapes["qweight"]
+            scale_shape = shapes["scale"][0]  # [n, groups] or [n, groups, 2], fp16
+            scale_bytes = 2 * math.prod(scale_shape[1:])
+            head = -(-scale_bytes // 64) * 64
+            packed = torch.empty(n, -(-(head + k) // 64) * 64, dtype=code_dtype)
+            self.register_buffer("scale", packed[:, :scale_bytes].view(torch.float16).unflatten(1, scale_shape[1:]))
             self.register_buffer("qweight", packed[:, head : head + k])
             shapes = {}
         for name, (shape, buf_dtype) in shapes.items():

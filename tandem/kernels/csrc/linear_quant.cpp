@@ -81,12 +81,14 @@ struct Int4Rows {
   const at::Half* scale;
   int64_t K;
   bool q4_1 = false;  // scale holds (d, m) pairs and w = u * d + m; else (Q4_0) w = (u - 8) * d
+  int64_t ldq = 0, lds = 0;  // row strides of q (bytes) and scale (halves); 0: contiguous rows
   // n and k0 are multiples of 32 (K % 32 == 0 is checked).
   void operator()(int64_t row, int64_t k0, int64_t n, uint16_t* dst, int64_t pf_row) const {
-    const uint8_t* src = q + row * (K / 2) + k0 / 2;
-    const uint8_t* pf = pf_row >= 0 ? q + pf_row * (K / 2) + k0 / 2 : nullptr;
     const int64_t per = q4_1 ? 2 : 1;  // halves per group
-    const at::Half* s = scale + per * (row * (K / 32) + k0 / 32);
+    const int64_t lq = ldq ? ldq : K / 2, ls = lds ? lds : per * (K / 32);
+    const uint8_t* src = q + row * lq + k0 / 2;
+    const uint8_t* pf = pf_row >= 0 ? q + pf_row * lq + k0 / 2 : nullptr;
+    const at::Half* s = scale + row * ls + per * (k0 / 32);
     const __m512i low4 = _mm512_set1_epi32(0xF);
     alignas(64) float ds[16], ms[16];
     for (int64_t g = 0; g < n / 32; ++g) {
@@ -374,8 +376,8 @@ inline float int4_row_one_token(const uint8_t* q, const at::Half* scale, int64_t
 }
 
 template <bool Q41>
-void run_int4_one_token(const uint8_t* q, const at::Half* scale, const at::Tensor& x, int64_t N, int64_t K,
-                        const at::Tensor& bias, at::Tensor& y) {
+void run_int4_one_token(const uint8_t* q, const at::Half* scale, int64_t ldq, int64_t lds, const at::Tensor& x,
+                        int64_t N, int64_t K, const at::Tensor& bias, at::Tensor& y) {
   const int64_t groups = K / 32, pairs = groups / 2;
   const auto* x16 = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const at::BFloat16* xb = x.data_ptr<at::BFloat16>();
@@ -399,8 +401,8 @@ void run_int4_one_token(const uint8_t* q, const at::Half* scale, const at::Tenso
   const tandem::Output out = tandem::output(y, nullptr, bias);
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // one row at a time, as for int8
     for (int64_t row = begin; row < end; ++row) {
-      const float acc = int4_row_one_token<Q41>(q + row * (K / 2), scale + (Q41 ? 2 : 1) * row * groups, K,
-                                                xperm.data(), x16, xsum.data(), pair_idx);
+      const float acc =
+          int4_row_one_token<Q41>(q + row * ldq, scale + row * lds, K, xperm.data(), x16, xsum.data(), pair_idx);
       out.store(&acc, 1, 1, row);
     }
   });
@@ -473,7 +475,7 @@ at::Tensor linear_int4(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::
   at::Tensor b;
   at::Tensor y = tandem::prepare_linear(x, N, K, bias, b, "linear_int4");
   if (x.size(0) == 1) {
-    run_int4_one_token<false>(qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), x, N, K, b, y);
+    run_int4_one_token<false>(qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K / 2, K / 32, x, N, K, b, y);
     return y;
   }
   run(Int4Rows{qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K}, x, N, K, nullptr, b, y);
@@ -524,14 +526,16 @@ bool q8_0_vnni() {
   return has_vnni && !(exact != nullptr && exact[0] == '1');
 }
 
+// q4_1 rows may be strided as q8_0's (QuantizedLinear: a row's (d, m) pairs, then its codes, one buffer).
 int64_t check_q4_1(const at::Tensor& qweight, const at::Tensor& scale) {
-  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous(),
-              "q4_1: qweight must be contiguous uint8 [N, K / 2]");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.stride(1) == 1 &&
+                  qweight.stride(0) >= qweight.size(1),
+              "q4_1: qweight must be uint8 [N, K / 2] with contiguous rows");
   const int64_t N = qweight.size(0), K = 2 * qweight.size(1);
   TORCH_CHECK(K % 32 == 0, "q4_1: K must be a multiple of 32");
   TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.dim() == 3 && scale.size(0) == N && scale.size(1) == K / 32 &&
-                  scale.size(2) == 2 && scale.is_contiguous(),
-              "q4_1: scale must be contiguous fp16 [N, K / 32, 2] (d, m pairs)");
+                  scale.size(2) == 2 && scale.stride(2) == 1 && scale.stride(1) == 2 && scale.stride(0) >= K / 16,
+              "q4_1: scale must be fp16 [N, K / 32, 2] (d, m pairs) with contiguous rows");
   return K;
 }
 
@@ -587,10 +591,12 @@ at::Tensor linear_q4_1(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::
   at::Tensor b;
   at::Tensor y = tandem::prepare_linear(x, N, K, bias, b, "linear_q4_1");
   if (x.size(0) == 1) {
-    run_int4_one_token<true>(qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), x, N, K, b, y);
+    run_int4_one_token<true>(qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), qweight.stride(0),
+                             scale.stride(0), x, N, K, b, y);
     return y;
   }
-  run(Int4Rows{qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K, true}, x, N, K, nullptr, b, y);
+  run(Int4Rows{qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K, true, qweight.stride(0), scale.stride(0)},
+      x, N, K, nullptr, b, y);
   return y;
 }
 
@@ -603,5 +609,7 @@ at::Tensor dequantize_q8_0(at::Tensor qweight, at::Tensor scale) {
 // bf16(u * d + m) [N, K] of a q4_1 layer (qweight uint8 [N, K / 2], scale fp16 [N, K / 32, 2] (d, m)).
 at::Tensor dequantize_q4_1(at::Tensor qweight, at::Tensor scale) {
   const int64_t K = check_q4_1(qweight, scale);
-  return dequantize_rows(Int4Rows{qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K, true}, qweight, K);
+  return dequantize_rows(
+      Int4Rows{qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K, true, qweight.stride(0), scale.stride(0)},
+      qweight, K);
 }
