@@ -6,10 +6,11 @@
 //         llama.cpp Q4_0's layout), byte j holds (q_j + 8) | (q_{j+16} + 8) << 4 and w = q * scale[n, g].
 //   q8_0  qweight int8 [N, K], scale fp16 [N, K / 32]: w = q * scale[n, g] (llama.cpp Q8_0's blocks).
 //   q4_1  qweight uint8 [N, K / 2] (int4's nibble layout, u = nibble in 0..15), scale fp16 [N, K / 32, 2]
-//         holding (d, m) per group: w = u * d + m (llama.cpp Q4_1's blocks; d and m side by side, so a
-//         row streams one array of them besides its codes: two separate arrays cost 40% more on a
-//         layer streamed from DRAM).
+//         holding (d, m) per group: w = u * d + m (llama.cpp Q4_1's blocks).
+//   q8_0 and q4_1 rows may be strided: QuantizedLinear keeps a row's scales and then its codes in one
+//   buffer, so a layer is one sequential stream (see check_q8_0).
 // Source of the block formats: ggml-quants.c (dequantize_row_q8_0 / q4_0 / q4_1).
+// q8_0 at one token also quantizes the activations, as llama.cpp does (run_q8_0_one_token_vnni).
 // One token (decode at batch 1, memory-bound) reads one row at a time straight from the quantized
 // bytes (int8_row_one_token, int4_row_one_token). Several tokens: each thread walks tiles of 4 rows,
 // dequantizes them into an L1 buffer of bf16, kChunk columns at a time, and multiplies with the
