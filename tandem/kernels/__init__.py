@@ -131,6 +131,13 @@ def linear_q8_0(
     """``x [M, K] bf16 @ (qweight [N, K] int8 * scale [N, K/32] fp16 per group of 32).T (+ bias)`` -> ``[M, N]``.
 
     llama.cpp's Q8_0 blocks (ggml-quants.c ``dequantize_row_q8_0``) split into codes and scales.
+    At one token (M = 1) on a CPU with AVX512-VNNI the activations are quantized too, as llama.cpp
+    does (``quantize_row_q8_0`` + ``ggml_vec_dot_q8_0_q8_0``): per block of 32, ``dx = max|x| / 127``,
+    ``xq = round(x / dx)``, exact integer dot products with the codes, one fp32 multiply by ``d * dx``
+    per block. So an output differs from ``x @ dequant(w).T`` by at most ``sum_b dx_b / 2 * sum_j |w_bj|``
+    (block b of x and of the weight row; ``dx_b / 2 = max|x_b| / 254``) plus fp32 rounding.
+    ``TANDEM_Q8_0_EXACT=1`` (read on every call) gives exact products in fp32 instead; M > 1 multiplies
+    x by the weights rounded to bf16, ``bf16(q * d)``.
 
     Raises:
         RuntimeError: K is not a multiple of 32, or wrong dtypes/shapes (raised by the kernel).
@@ -139,17 +146,17 @@ def linear_q8_0(
 
 
 def linear_q4_1(
-    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x [M, K] bf16 @ (u * scale + mins).T (+ bias)`` -> ``[M, N]`` bf16, u the nibbles of ``qweight``.
+    """``x [M, K] bf16 @ (u * d + m).T (+ bias)`` -> ``[M, N]`` bf16, u the nibbles of ``qweight``.
 
-    ``qweight [N, K/2]`` uint8 in Q4_0's nibble layout (u in 0..15, no offset), ``scale, mins [N, K/32]``
-    fp16: llama.cpp's Q4_1 blocks (ggml-quants.c ``dequantize_row_q4_1``).
+    ``qweight [N, K/2]`` uint8 in Q4_0's nibble layout (u in 0..15, no offset), ``scale [N, K/32, 2]``
+    fp16 pairs (d, m): llama.cpp's Q4_1 blocks (ggml-quants.c ``dequantize_row_q4_1``).
 
     Raises:
         RuntimeError: K is not a multiple of 32, or wrong dtypes/shapes (raised by the kernel).
     """
-    return load_extension().linear_q4_1(x, qweight, scale, mins, bias)
+    return load_extension().linear_q4_1(x, qweight, scale, bias)
 
 
 def dequantize_q8_0(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -157,9 +164,11 @@ def dequantize_q8_0(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return load_extension().dequantize_q8_0(qweight, scale)
 
 
-def dequantize_q4_1(qweight: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """The bf16 weight ``[N, K]`` (``bf16(u * scale + mins)``) of a q4_1 layer (format as in ``linear_q4_1``)."""
-    return load_extension().dequantize_q4_1(qweight, scale, mins)
+def dequantize_q4_1(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The bf16 weight ``[N, K]`` (``bf16(u * d + m)``) of a q4_1 layer (format as in ``linear_q4_1``)."""
+    return load_extension().dequantize_q4_1(qweight, scale)
+
+
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """In-place ``rotary``: ``x [T, H, D]`` (heads contiguous, any token stride) with ``cos, sin [T, 1, D]``.
 

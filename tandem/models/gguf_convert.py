@@ -4,8 +4,8 @@ The folder holds `config.json`, `model.safetensors`, `tokenizer.json`, `tokenize
 `generation_config.json`, so Tandem's safetensors loader reads it like any HF checkpoint.
 
 Linear weights in Q8_0, Q4_0 or Q4_1 are kept as the file's blocks, split into codes and scales
-(`tandem/models/quant.py` formats q8_0, int4, q4_1): `<module>.qweight`, `<module>.scale` and, for Q4_1,
-`<module>.mins` instead of `<module>.weight`; config.json lists them under `QUANTIZED_KEY`
+(`tandem/models/quant.py` formats q8_0, int4, q4_1): `<module>.qweight` and `<module>.scale` (for Q4_1
+the (d, m) pairs) instead of `<module>.weight`; config.json lists them under `QUANTIZED_KEY`
 (`{"version": 1, "modules": {hf module name: format}}`) and the loader builds `QuantizedLinear` modules
 from them. A tied LM head whose embedding table is Q8_0/Q4_0/Q4_1 gets its own `lm_head.*` codes from
 the table's blocks (the decode step reads the head's bytes once per token; the table itself is stored
@@ -102,7 +102,7 @@ class _Entry:
     dtype: str  # safetensors dtype: F32, F16, BF16, or I8/U8 for quantized codes
     shape: tuple[int, ...]  # HF (row-major) shape, the reverse of GGUF's ne[] order
     permute_heads: int | None  # undo llama.cpp's Q/K row permutation over this many heads
-    part: str = "weight"  # "weight" (float), or "qweight" / "scale" / "mins" of a kept block tensor
+    part: str = "weight"  # "weight" (float), or "qweight" / "scale" of a kept block tensor
 
     @property
     def nbytes(self) -> int:
@@ -298,9 +298,7 @@ def _quantized_entries(module: str, tensor: ReaderTensor, permute_heads: int | N
     n, k = _hf_shape(tensor)
     groups = (n, k // 32)
     parts = [("qweight", "I8" if fmt == "q8_0" else "U8", (n, k) if fmt == "q8_0" else (n, k // 2))]
-    parts.append(("scale", "F16", groups))
-    if fmt == "q4_1":
-        parts.append(("mins", "F16", groups))
+    parts.append(("scale", "F16", (*groups, 2) if fmt == "q4_1" else groups))
     return [_Entry(f"{module}.{part}", tensor, dtype, shape, permute_heads, part) for part, dtype, shape in parts]
 
 
@@ -360,17 +358,16 @@ def block_parts(tensor: ReaderTensor) -> dict[str, np.ndarray]:
     """A Q8_0/Q4_0/Q4_1 tensor's blocks split into HF-shaped arrays, bit for bit (no arithmetic).
 
     Returns `qweight` (Q8_0: int8 [N, K]; Q4_0/Q4_1: uint8 [N, K/2], byte j of a block holding
-    weights j and j + 16 in its low and high nibble), `scale` (fp16 [N, K/32]) and for Q4_1 `mins`.
+    weights j and j + 16 in its low and high nibble) and `scale` (fp16 [N, K/32]; for Q4_1 [N, K/32, 2],
+    the (d, m) pair of each block, kept together so a row's kernel reads one stream of them).
     Block layouts (ggml-common.h): Q8_0 = f16 d, 32 x i8; Q4_0 = f16 d, 16 bytes; Q4_1 = f16 d, f16 m, 16 bytes.
     """
     fmt = _KEPT_BLOCKS[tensor.tensor_type]
     n, k = _hf_shape(tensor)
     blocks = np.asarray(tensor.data).view(np.uint8).reshape(n, k // 32, _BLOCK_BYTES[fmt])
-    parts = {"scale": blocks[..., 0:2].copy().view(np.float16).reshape(n, k // 32)}
-    codes_at = 2
-    if fmt == "q4_1":
-        parts["mins"] = blocks[..., 2:4].copy().view(np.float16).reshape(n, k // 32)
-        codes_at = 4
+    codes_at = 4 if fmt == "q4_1" else 2
+    scale = blocks[..., 0:codes_at].copy().view(np.float16)  # [N, K/32, 1 or 2]
+    parts = {"scale": scale.reshape(n, k // 32, 2) if fmt == "q4_1" else scale.reshape(n, k // 32)}
     codes = blocks[..., codes_at:].copy()
     parts["qweight"] = codes.view(np.int8).reshape(n, k) if fmt == "q8_0" else codes.reshape(n, k // 2)
     return parts

@@ -29,7 +29,7 @@ from tandem.models.quant import QuantizedLinear, dequantize_weight
 from tandem.models.registry import get_model_class
 
 QUANTIZED_KEY = "tandem_quantized"  # NOTE: gguf_convert.QUANTIZED_KEY; not imported (gguf is heavy)
-QUANTIZED_PARTS = ("qweight", "scale", "mins")
+QUANTIZED_PARTS = ("qweight", "scale")
 
 INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -196,7 +196,7 @@ def _dequantized_shard(f, name: str, formats: dict[str, str]) -> torch.Tensor:  
     """The float32 weight of checkpoint module ``name`` stored quantized (a shard of a mixed projection)."""
     module = name.removesuffix(".weight")
     parts = {p: f.get_tensor(f"{module}.{p}") for p in QUANTIZED_PARTS if f"{module}.{p}" in f.keys()}
-    return dequantize_weight(formats[module], parts["qweight"], parts["scale"], parts.get("mins"))
+    return dequantize_weight(formats[module], parts["qweight"], parts["scale"])
 
 
 def _copy_tensor(f, path: Path, t: _Target, formats: dict[str, str] | None = None) -> None:  # noqa: ANN001

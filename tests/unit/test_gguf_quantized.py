@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as Q
 from safetensors import safe_open
 from test_gguf_convert import bpe, encode, llama_cpp_permute, tiny_model, write_gguf  # noqa: F401
 
-from tandem import LLM, SamplingParams
+from tandem import LLM, SamplingParams, kernels
 from tandem.config import CacheConfig, EngineConfig, ModelConfig
 from tandem.models.gguf_convert import QUANTIZED_KEY, convert_gguf
 from tandem.models.layers import Linear
@@ -55,8 +55,8 @@ def file_codes(original: np.ndarray, qtype: Q) -> dict[str, np.ndarray]:
     width = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20}[qtype]
     blocks = gguf.quants.quantize(original.astype(np.float32), qtype).reshape(n, k // 32, width)
     parts = {"scale": blocks[..., :2].copy().view(np.float16).reshape(n, -1)}
-    if qtype == Q.Q4_1:
-        parts["mins"] = blocks[..., 2:4].copy().view(np.float16).reshape(n, -1)
+    if qtype == Q.Q4_1:  # (d, m) pairs
+        parts["scale"] = blocks[..., :4].copy().view(np.float16).reshape(n, -1, 2)
     codes = blocks[..., 4 if qtype == Q.Q4_1 else 2:].copy()
     parts["qweight"] = codes.view(np.int8).reshape(n, k) if qtype == Q.Q8_0 else codes.reshape(n, k // 2)
     return parts
@@ -102,7 +102,7 @@ def test_linear_layers_hold_the_files_codes(tmp_path, bpe, arch, qtype):  # noqa
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_logits_and_greedy_tokens_match_the_dequantized_path(tmp_path, bpe, arch, qtype):  # noqa: F811
+def test_logits_and_greedy_tokens_match_the_dequantized_path(tmp_path, bpe, arch, qtype, monkeypatch):  # noqa: F811
     _, kept, dequantized = converted(tmp_path, bpe, arch, qtype)
     # float32: both paths multiply by the same float32 weights (u * d + m computed like gguf-py).
     kept32, deq32 = runner(kept, "float32").prompt_logits(PROMPT), runner(dequantized, "float32").prompt_logits(PROMPT)
@@ -115,11 +115,24 @@ def test_logits_and_greedy_tokens_match_the_dequantized_path(tmp_path, bpe, arch
     assert (deq16 - deq32).norm() / deq32.norm() < 0.04
     assert (kept16 - deq16).norm() / deq32.norm() < 0.01
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    tokens = [
-        list(LLM(str(folder), progress=False).generate([{"prompt_token_ids": PROMPT}], params)[0].outputs[0].token_ids)
-        for folder in (kept, dequantized)
-    ]
-    assert tokens[0] == tokens[1] and len(tokens[0]) == 12
+
+    def greedy(folder) -> list[int]:  # noqa: ANN001
+        return list(LLM(str(folder), progress=False).generate([{"prompt_token_ids": PROMPT}], params)[0]
+                    .outputs[0].token_ids)
+
+    reference = greedy(dequantized)
+    if qtype == Q.Q8_0 and kernels.available():
+        # Decode steps (one token) quantize the activations to int8 per block of 32 as llama.cpp does (see
+        # kernels.linear_q8_0), which can flip near-ties of these random tiny models: each token the kept
+        # model picks must be within 3% of the logit range of the best one under the float32 weights,
+        # fed the kept model's own tokens (measured: 0 for llama, 1.4% for qwen2, whose 7th token flips).
+        tokens = greedy(kept)
+        ref = runner(dequantized, "float32").prompt_logits(PROMPT + tokens[:-1])[len(PROMPT) - 1 :]
+        best, worst = ref.max(dim=1).values, ref.min(dim=1).values
+        gap = best - ref.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+        assert len(tokens) == 12 and (gap <= 0.03 * (best - worst)).all(), (gap / (best - worst)).max()
+        monkeypatch.setenv("TANDEM_Q8_0_EXACT", "1")  # exact products: the same tokens as the float path
+    assert greedy(kept) == reference and len(reference) == 12
 
 
 def test_mixed_fused_projection_is_dequantized_and_quantization_keeps_file_codes(tmp_path, bpe):  # noqa: F811

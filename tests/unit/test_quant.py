@@ -5,7 +5,8 @@ Bounds:
   int4 round trip  |w - q d| <= |d| per group (half a step, or one step where +8|d| clips to 7).
   kernels          vs fp32 ``x @ dequant(w).T``: the output's bf16 rounding (2^-8 relative) plus
                    fp32 summation error; int4 also rounds each dequantized weight to bf16
-                   (2^-9 relative), hence an extra 2^-9 * (|x| @ |w|.T).
+                   (2^-9 relative), hence an extra 2^-9 * (|x| @ |w|.T). q8_0 at one token rounds x to
+                   int8 per block of 32 as llama.cpp does: at most sum_b max|x_b| / 254 * sum_j |w_bj| more.
   model            stories260K (real weights): bf16 + int8/int4 logits vs float32 weights along a greedy
                    continuation; thresholds are the measured values with margin (see the test).
 """
@@ -160,12 +161,14 @@ def test_dequantize_kernel_matches_python(method: str) -> None:
 # ---- GGUF formats kept as they are: q8_0 (group-32 int8) and q4_1 (group-32 asymmetric int4) ----
 
 def random_codes(method: str, n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
-    """Random codes and fp16 scales (and mins) of a ``method`` layer, as a GGUF file would hold them."""
+    """Random codes and fp16 scales (q4_1: (d, m) pairs) of a ``method`` layer, as a GGUF file would hold them."""
     d = (torch.rand(n, k // 32, generator=g) * 0.02 + 0.001).half()
     if method == "q8_0":
         return torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g), d
     packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
-    return (packed, d, (torch.randn(n, k // 32, generator=g) * 0.05).half()) if method == "q4_1" else (packed, d)
+    if method == "q4_1":
+        return packed, torch.stack([d, (torch.randn(n, k // 32, generator=g) * 0.05).half()], dim=2)
+    return packed, d
 
 
 def test_q8_0_and_q4_1_dequantize_to_the_ggml_formulas() -> None:
@@ -173,11 +176,12 @@ def test_q8_0_and_q4_1_dequantize_to_the_ggml_formulas() -> None:
     q, d = random_codes("q8_0", 3, 64, g)
     w = dequantize_weight("q8_0", q, d)
     assert w[2, 40].item() == q[2, 40].item() * d[2, 1].float().item()
-    packed, d, m = random_codes("q4_1", 3, 64, g)
-    w = dequantize_weight("q4_1", packed, d, m)
+    packed, dm = random_codes("q4_1", 3, 64, g)
+    w = dequantize_weight("q4_1", packed, dm)
+    d, m = dm[1, 1, 0].float().item(), dm[1, 1, 1].float().item()  # row 1, group 1: (d, m)
     byte = packed[1, 16 + 5].item()  # group 1, byte 5: weight 5 in the low nibble, weight 21 in the high one
-    assert w[1, 32 + 5].item() == (byte & 0xF) * d[1, 1].float().item() + m[1, 1].float().item()
-    assert w[1, 32 + 21].item() == (byte >> 4) * d[1, 1].float().item() + m[1, 1].float().item()
+    assert w[1, 32 + 5].item() == (byte & 0xF) * d + m
+    assert w[1, 32 + 21].item() == (byte >> 4) * d + m
 
 
 @needs_kernels
@@ -195,7 +199,7 @@ def test_group_kernels_match_dequantized_weights(method: str, m: int, n: int, k:
     g = torch.Generator().manual_seed(m * n + k)
     codes = random_codes(method, n, k, g)
     layer = QuantizedLinear.empty(method, k, [n], bias, torch.bfloat16)
-    for name, tensor in zip(("qweight", "scale", "mins"), codes, strict=False):
+    for name, tensor in zip(("qweight", "scale"), codes, strict=True):
         getattr(layer, name).copy_(tensor)
     if bias:
         layer.bias.copy_(torch.randn(n, generator=g))
@@ -204,8 +208,76 @@ def test_group_kernels_match_dequantized_weights(method: str, m: int, n: int, k:
     ref = reference(x, w, layer.bias)
     y = layer(x)
     mag = x.float().abs() @ w.abs().T
+    # q8_0 at one token rounds x to int8 per block of 32 (see the q8_0 tests below)
+    act = activation_error_bound(x, w) if method == "q8_0" and m == 1 else 0.0
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-    assert ((y.float() - ref).abs() <= 2**-8 * ref.abs() + 2**-9 * mag + 1e-5 * mag + 1e-6).all()
+    assert ((y.float() - ref).abs() <= 2**-8 * ref.abs() + 2**-9 * mag + act + 1e-5 * mag + 1e-6).all()
+    if method != "int4" and m <= kernels.LINEAR_MAX_TOKENS:  # the layer's one-buffer rows = contiguous arrays
+        assert layer.qweight.stride(0) > layer.qweight.shape[1]
+        op = kernels.linear_q8_0 if method == "q8_0" else kernels.linear_q4_1
+        assert torch.equal(op(x, *codes, layer.bias), y)
+
+
+def activation_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``[M, N]``: ``sum_b max|x_b| / 254 * sum_j |w_bj|``, the most rounding x to int8 per block changes x @ w.T."""
+    amax = x.float().abs().view(x.shape[0], -1, 32).amax(dim=2)
+    return (amax / 254) @ w.abs().view(w.shape[0], -1, 32).sum(dim=2).T
+
+
+def q8_0_quantized_activations_reference(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """float64 ``[1, N]``: llama.cpp's ``quantize_row_q8_0`` of x then exact integer block dots, as the kernel.
+
+    Per block b: ``dx = max|x_b| / 127`` and ``xq = round(x_b * (1 / dx))`` in fp32 (half to even, as
+    ``vcvtps2dq``), ``y = sum_b d_b dx_b sum_j q_bj xq_bj``.
+    """
+    xb = x.float().view(-1, 32)
+    dx = xb.abs().amax(dim=1) / 127
+    inv = torch.where(dx != 0, 1 / dx, torch.zeros_like(dx))
+    xq = torch.round(xb * inv[:, None]).long()
+    dots = (q.view(q.shape[0], -1, 32).long() * xq).sum(dim=2)  # [N, blocks], exact
+    return ((d.double() * dx.double()) * dots.double()).sum(dim=1)[None]
+
+
+def has_vnni() -> bool:
+    from tandem.kernels.build import cpu_flags
+
+    return "avx512_vnni" in cpu_flags()
+
+
+@needs_kernels
+@pytest.mark.parametrize(("n", "k"), [(5, 32), (67, 96), (64, 576), (130, 896), (33, 1056), (40, 2080), (70, 4864)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_q8_0_one_token_quantizes_activations_like_llama_cpp(n: int, k: int, bias: bool, monkeypatch) -> None:
+    """One token on AVX512-VNNI: equals the quantized-activation arithmetic up to the output's bf16 rounding
+    (2^-8 relative) and fp32 rounding (1e-5 of the summed block terms), and stays within
+    ``activation_error_bound`` of the float product; ``TANDEM_Q8_0_EXACT=1`` keeps exact products.
+
+    x has a zero block (dx = 0, when K > 32) and outliers (a few blocks dominated by one large value).
+    """
+    g = torch.Generator().manual_seed(n + k)
+    q, d = random_codes("q8_0", n, k, g)
+    x = torch.randn(1, k, generator=g)
+    x[0, 32:64] = 0.0
+    x[0, 7::97] *= 40.0
+    x = x.bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    w = dequantize_weight("q8_0", q, d)
+    exact = reference(x, w, b)
+    mag = x.float().abs() @ w.abs().T
+    monkeypatch.setenv("TANDEM_Q8_0_EXACT", "1")
+    y_exact = kernels.linear_q8_0(x, q, d, b).float()
+    assert ((y_exact - exact).abs() <= 2**-8 * exact.abs() + 1e-5 * mag + 1e-6).all()
+    monkeypatch.delenv("TANDEM_Q8_0_EXACT")
+    y = kernels.linear_q8_0(x, q, d, b).float()
+    bound = activation_error_bound(x, w)
+    assert ((y - exact).abs() <= 2**-8 * exact.abs() + bound + 1e-5 * mag + 1e-6).all()
+    if not has_vnni():
+        pytest.skip("no AVX512-VNNI: the one-token kernel keeps exact products")
+    emulated = q8_0_quantized_activations_reference(x, q, d).float() + (0 if b is None else b.float())
+    terms = (x.float().abs().view(-1, 32).amax(dim=1) / 127 * d.float() * 127 * q.view(n, -1, 32).abs().sum(2)).sum(1)
+    assert ((y - emulated).abs() <= 2**-8 * emulated.abs() + 1e-5 * terms + 1e-6).all()
+    if n >= 64:  # the quantized path is really taken: it differs from the exact one somewhere
+        assert not torch.equal(y, y_exact)
 
 
 @needs_kernels
@@ -219,7 +291,7 @@ def test_group_dequantize_kernels_match_python(method: str) -> None:
 
 def test_empty_layer_shapes_and_bad_formats() -> None:
     layer = QuantizedLinear.empty("q4_1", 64, [32, 16], False, torch.bfloat16, ("a", "b"))
-    assert layer.qweight.shape == (48, 32) and layer.scale.shape == layer.mins.shape == (48, 2)
+    assert layer.qweight.shape == (48, 32) and layer.scale.shape == (48, 2, 2)
     assert layer.output_sizes == [32, 16] and layer.shard_names == ("a", "b") and layer.bias is None
     with pytest.raises(ValueError, match="multiple of 32"):
         QuantizedLinear.empty("q8_0", 40, [8], False, torch.bfloat16)

@@ -14,10 +14,9 @@ at::Tensor silu_and_mul(at::Tensor x);
 std::vector<int64_t> bind_omp_threads(const std::vector<int64_t>& cpus);
 std::vector<int64_t> omp_thread_ids(int64_t n);
 at::Tensor linear_q8_0(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::optional<at::Tensor> bias);
-at::Tensor linear_q4_1(at::Tensor x, at::Tensor qweight, at::Tensor scale, at::Tensor mins,
-                       c10::optional<at::Tensor> bias);
+at::Tensor linear_q4_1(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::optional<at::Tensor> bias);
 at::Tensor dequantize_q8_0(at::Tensor qweight, at::Tensor scale);
-at::Tensor dequantize_q4_1(at::Tensor qweight, at::Tensor scale, at::Tensor mins);
+at::Tensor dequantize_q4_1(at::Tensor qweight, at::Tensor scale);
 void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 std::tuple<at::Tensor, at::Tensor> decoder_layer_bf16(
@@ -45,8 +44,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("omp_thread_ids", &omp_thread_ids, "thread ids of an n-thread OpenMP team", py::arg("n"));
   m.def("linear_q8_0", &linear_q8_0, "y = x @ (q * scale).T (+ bias), GGUF Q8_0 group-32 int8 weights",
         py::arg("x"), py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none());
-  m.def("linear_q4_1", &linear_q4_1, "y = x @ (u * scale + min).T (+ bias), GGUF Q4_1 group-32 weights",
-        py::arg("x"), py::arg("qweight"), py::arg("scale"), py::arg("mins"), py::arg("bias") = py::none());
+  m.def("linear_q4_1", &linear_q4_1, "y = x @ (u * d + m).T (+ bias), GGUF Q4_1 group-32 weights",
+        py::arg("x"), py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none());
   m.def("dequantize_q8_0", &dequantize_q8_0, "bf16 weight of a q8_0 layer");
   m.def("dequantize_q4_1", &dequantize_q4_1, "bf16 weight of a q4_1 layer");
   m.def("rotary_", &rotary_, "in-place rotate-half rotary embedding of [T, H, D] (any token stride)");

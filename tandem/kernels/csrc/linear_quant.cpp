@@ -5,9 +5,12 @@
 //   int4  qweight uint8 [N, K / 2], scale fp16 [N, K / 32]: in group g of row n (32 weights, 16 bytes,
 //         llama.cpp Q4_0's layout), byte j holds (q_j + 8) | (q_{j+16} + 8) << 4 and w = q * scale[n, g].
 //   q8_0  qweight int8 [N, K], scale fp16 [N, K / 32]: w = q * scale[n, g] (llama.cpp Q8_0's blocks).
-//   q4_1  qweight uint8 [N, K / 2] (int4's nibble layout, u = nibble in 0..15), scale and min fp16
-//         [N, K / 32]: w = u * scale[n, g] + min[n, g] (llama.cpp Q4_1's blocks).
+//   q4_1  qweight uint8 [N, K / 2] (int4's nibble layout, u = nibble in 0..15), scale fp16 [N, K / 32, 2]
+//         holding (d, m) per group: w = u * d + m (llama.cpp Q4_1's blocks).
+//   q8_0 and q4_1 rows may be strided: QuantizedLinear keeps a row's scales and then its codes in one
+//   buffer, so a layer is one sequential stream (see check_q8_0).
 // Source of the block formats: ggml-quants.c (dequantize_row_q8_0 / q4_0 / q4_1).
+// q8_0 at one token also quantizes the activations, as llama.cpp does (run_q8_0_one_token_vnni).
 // One token (decode at batch 1, memory-bound) reads one row at a time straight from the quantized
 // bytes (int8_row_one_token, int4_row_one_token). Several tokens: each thread walks tiles of 4 rows,
 // dequantizes them into an L1 buffer of bf16, kChunk columns at a time, and multiplies with the
@@ -19,6 +22,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <vector>
 
 #include "gemm_tile.h"
@@ -44,6 +48,16 @@ inline void halves_to_floats(const at::Half* src, int64_t n, float* dst) {
   _mm512_store_ps(dst, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lane_mask(n), src)));
 }
 
+// (d, m) fp16 pairs src[0, 2n) (n <= 16 pairs; lanes past n are 0) -> d and m as 16 floats each.
+inline void pairs_to_floats(const at::Half* src, int64_t n, __m512* d, __m512* m) {
+  const int64_t h = 2 * std::min<int64_t>(n, 16);
+  const __m512i raw = _mm512_maskz_loadu_epi16(h >= 32 ? (__mmask32)0xFFFFFFFF : (__mmask32)((1u << h) - 1), src);
+  const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(raw)), hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(raw, 1));
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  *d = _mm512_permutex2var_ps(lo, even, hi);
+  *m = _mm512_permutex2var_ps(lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi);
+}
+
 struct Int8Rows {
   const int8_t* q;
   int64_t K;
@@ -67,24 +81,30 @@ struct Int4Rows {
   const uint8_t* q;
   const at::Half* scale;
   int64_t K;
-  const at::Half* mins = nullptr;  // q4_1: w = u * d + m; else (Q4_0) w = (u - 8) * d
+  bool q4_1 = false;  // scale holds (d, m) pairs and w = u * d + m; else (Q4_0) w = (u - 8) * d
+  int64_t ldq = 0, lds = 0;  // row strides of q (bytes) and scale (halves); 0: contiguous rows
   // n and k0 are multiples of 32 (K % 32 == 0 is checked).
   void operator()(int64_t row, int64_t k0, int64_t n, uint16_t* dst, int64_t pf_row) const {
-    const uint8_t* src = q + row * (K / 2) + k0 / 2;
-    const uint8_t* pf = pf_row >= 0 ? q + pf_row * (K / 2) + k0 / 2 : nullptr;
-    const at::Half* s = scale + row * (K / 32) + k0 / 32;
-    const at::Half* mn = mins != nullptr ? mins + row * (K / 32) + k0 / 32 : nullptr;
+    const int64_t per = q4_1 ? 2 : 1;  // halves per group
+    const int64_t lq = ldq ? ldq : K / 2, ls = lds ? lds : per * (K / 32);
+    const uint8_t* src = q + row * lq + k0 / 2;
+    const uint8_t* pf = pf_row >= 0 ? q + pf_row * lq + k0 / 2 : nullptr;
+    const at::Half* s = scale + row * ls + per * (k0 / 32);
     const __m512i low4 = _mm512_set1_epi32(0xF);
     alignas(64) float ds[16], ms[16];
     for (int64_t g = 0; g < n / 32; ++g) {
-      if (g % 16 == 0) {
+      if (g % 16 == 0 && q4_1) {
+        __m512 dv, mv;
+        pairs_to_floats(s + 2 * g, n / 32 - g, &dv, &mv);
+        _mm512_store_ps(ds, dv);
+        _mm512_store_ps(ms, mv);
+      } else if (g % 16 == 0) {
         halves_to_floats(s + g, n / 32 - g, ds);
-        if (mn != nullptr) halves_to_floats(mn + g, n / 32 - g, ms);
       }
       if (pf != nullptr && (g & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(pf + 16 * g), _MM_HINT_T0);
       const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * g)));
       const float d = ds[g % 16];
-      const __m512 dv = _mm512_set1_ps(d), off = _mm512_set1_ps(mn != nullptr ? ms[g % 16] : -8.0f * d);
+      const __m512 dv = _mm512_set1_ps(d), off = _mm512_set1_ps(q4_1 ? ms[g % 16] : -8.0f * d);
       __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, low4)), dv, off);
       __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), dv, off);
       _mm512_storeu_si512(dst + 32 * g, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
@@ -95,12 +115,12 @@ struct Int4Rows {
 struct Q80Rows {
   const int8_t* q;
   const at::Half* scale;
-  int64_t K;
+  int64_t K, ldq, lds;  // row strides of q (bytes) and scale (halves)
   // n and k0 are multiples of 32 (K % 32 == 0 is checked): dst = bf16(q * d) group by group.
   void operator()(int64_t row, int64_t k0, int64_t n, uint16_t* dst, int64_t pf_row) const {
-    const int8_t* src = q + row * K + k0;
-    const int8_t* pf = pf_row >= 0 ? q + pf_row * K + k0 : nullptr;
-    const at::Half* s = scale + row * (K / 32) + k0 / 32;
+    const int8_t* src = q + row * ldq + k0;
+    const int8_t* pf = pf_row >= 0 ? q + pf_row * ldq + k0 : nullptr;
+    const at::Half* s = scale + row * lds + k0 / 32;
     alignas(64) float ds[16];
     for (int64_t g = 0; g < n / 32; ++g) {
       if (g % 16 == 0) halves_to_floats(s + g, n / 32 - g, ds);
@@ -145,7 +165,8 @@ inline float q8_0_row_one_token(const int8_t* q, const at::Half* scale, int64_t 
   return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
-void run_q8_0_one_token(const int8_t* q, const at::Half* scale, const at::Tensor& x, int64_t N, int64_t K,
+void run_q8_0_one_token(const int8_t* q, const at::Half* scale, int64_t ldq, int64_t lds, const at::Tensor& x,
+                        int64_t N, int64_t K,
                         const at::Tensor& bias, at::Tensor& y) {
   std::vector<float> x32(K);
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
@@ -153,9 +174,116 @@ void run_q8_0_one_token(const int8_t* q, const at::Half* scale, const at::Tensor
   const tandem::Output out = tandem::output(y, nullptr, bias);
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // one row at a time, as for int8
     for (int64_t row = begin; row < end; ++row) {
-      const float acc = q8_0_row_one_token(q + row * K, scale + row * (K / 32), K, x32.data());
+      const float acc = q8_0_row_one_token(q + row * ldq, scale + row * lds, K, x32.data());
       out.store(&acc, 1, 1, row);
     }
+  });
+}
+
+// One token, q8_0, with the activations quantized as llama.cpp does (ggml-quants.c quantize_row_q8_0
+// and ggml_vec_dot_q8_0_q8_0): x is split into blocks of 32 like the weights, block b gets
+// dx_b = max|x_b| / 127 and xq = round(x / dx_b) in [-127, 127] (fp32, round half to even), once per
+// token; then sum_j w_j x_j ~= sum_b d_b dx_b I_b with the exact integer I_b = sum_j q_j xq_j.
+// VNNI's vpdpbusd multiplies unsigned by signed bytes, so the weight bytes are flipped to u = q + 128
+// (XOR 0x80) and I_b = sum_j u_j xq_j - 128 S_b with S_b = sum_j xq_j, a per-token constant: the
+// accumulator of block b starts at -16 S_b in each of its 8 int32 lanes. Blocks go in pairs (64
+// bytes: lanes 0-7 block a, 8-15 block b), scaled by [d_a dx_a x 8, d_b dx_b x 8]. About 6
+// instructions per 64 weights instead of 18 for the fp32 path above.
+// Error against the exact sum: |x_j - xq_j dx_b| <= dx_b / 2, so |y - x.w| <= sum_b dx_b / 2 sum_j |w_j|
+// (about 0.4% of |x| . |w| at worst), plus fp32 rounding of the per-block products.
+struct Q8Activations {
+  int64_t blocks = 0, pairs = 0;
+  std::vector<int8_t> xq;      // [64 * pairs]: K codes, zero-padded to a whole pair
+  std::vector<int32_t> init;   // [16 * pairs]: -16 S_b on the 8 lanes of block b
+  std::vector<float> dx;       // [16 * ceil(blocks / 16)]: dx_b, zero-padded
+};
+
+inline Q8Activations quantize_activations(const at::BFloat16* x, int64_t K) {
+  Q8Activations a;
+  a.blocks = K / 32;
+  a.pairs = (a.blocks + 1) / 2;
+  a.xq.assign(64 * a.pairs, 0);
+  a.init.assign(16 * a.pairs, 0);
+  a.dx.assign(16 * ((a.blocks + 15) / 16), 0.0f);
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const __m256i* src = reinterpret_cast<const __m256i*>(x + 32 * b);
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(src)), 16));
+    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(src + 1)), 16));
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(lo, abs_mask), _mm512_and_ps(hi, abs_mask)));
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m512 idv = _mm512_set1_ps(id);
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, idv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, idv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.xq.data() + 32 * b), _mm512_cvtsepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.xq.data() + 32 * b + 16), _mm512_cvtsepi32_epi8(qhi));
+    const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    for (int j = 0; j < 8; ++j) a.init[8 * b + j] = -16 * s;
+    a.dx[b] = d;
+  }
+  return a;
+}
+
+// NOTE: two 256-bit loads, not one 512-bit load: measured 47 vs 41 tok/s on the Qwen2.5-0.5B Q8_0 decode
+// (weights streamed from DRAM, one Zen 4 core), with the rows 64-byte aligned or not.
+__attribute__((target("avx512vnni"))) inline __m512i load64(const int8_t* p) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), 1);
+}
+__attribute__((target("avx512vnni"))) inline float q8_0_row_vnni(const int8_t* q, const at::Half* scale,
+                                                                 const Q8Activations& a, const __m512i* pair_idx) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const auto* xq = reinterpret_cast<const __m512i*>(a.xq.data());
+  const auto* init = reinterpret_cast<const __m512i*>(a.init.data());
+  const int64_t full = a.blocks / 2;  // whole pairs
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < a.blocks; g0 += 16) {  // 16 blocks = 8 pairs share one scale conversion
+    const __m512 s16 = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lane_mask(a.blocks - g0), scale + g0)),
+                                     _mm512_loadu_ps(a.dx.data() + g0));
+    const int64_t p0 = g0 / 2, p_end = std::min<int64_t>(full, p0 + 8);
+    int64_t p = p0;
+    for (; p + 2 <= p_end; p += 2) {
+      const __m512i u0 = _mm512_xor_si512(load64(q + 64 * p), flip);
+      const __m512i u1 = _mm512_xor_si512(load64(q + 64 * p + 64), flip);
+      const __m512i i0 = _mm512_dpbusd_epi32(_mm512_loadu_si512(init + p), u0, _mm512_loadu_si512(xq + p));
+      const __m512i i1 = _mm512_dpbusd_epi32(_mm512_loadu_si512(init + p + 1), u1, _mm512_loadu_si512(xq + p + 1));
+      acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_permutexvar_ps(pair_idx[p - p0], s16), acc0);
+      acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_permutexvar_ps(pair_idx[p + 1 - p0], s16), acc1);
+    }
+    if (p < p_end) {
+      const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(q + 64 * p), flip);
+      const __m512i i = _mm512_dpbusd_epi32(_mm512_loadu_si512(init + p), u, _mm512_loadu_si512(xq + p));
+      acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_permutexvar_ps(pair_idx[p - p0], s16), acc0);
+    }
+  }
+  if (a.blocks % 2) {  // the last block alone: its pair's lanes 8-15 would read past the row
+    const int64_t p = full;
+    const __m512i u = _mm512_xor_si512(_mm512_maskz_loadu_epi8(0xFFFFFFFFULL, q + 64 * p), flip);
+    const __m512i i = _mm512_maskz_dpbusd_epi32(0xFF, _mm512_loadu_si512(init + p), u, _mm512_loadu_si512(xq + p));
+    const float s = static_cast<float>(scale[2 * p]) * a.dx[2 * p];
+    acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_set1_ps(s), acc0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
+// Rows [begin, end) of the one-token VNNI kernel (a function of its own: a lambda would not inherit
+// the target attribute, and q8_0_row_vnni would not be inlined into it).
+__attribute__((target("avx512vnni"))) void q8_0_rows_vnni(const int8_t* q, const at::Half* scale, int64_t ldq,
+                                                          int64_t lds, const Q8Activations& a,
+                                                          const tandem::Output& out, int64_t begin, int64_t end) {
+  __m512i pair_idx[8];  // lanes 0-7 pick scale 2j (block a), lanes 8-15 scale 2j + 1 (block b)
+  for (int j = 0; j < 8; ++j) pair_idx[j] = _mm512_mask_set1_epi32(_mm512_set1_epi32(2 * j), 0xFF00, 2 * j + 1);
+  for (int64_t row = begin; row < end; ++row) {
+    const float acc = q8_0_row_vnni(q + row * ldq, scale + row * lds, a, pair_idx);
+    out.store(&acc, 1, 1, row);
+  }
+}
+
+void run_q8_0_one_token_vnni(const int8_t* q, const at::Half* scale, int64_t ldq, int64_t lds, const at::Tensor& x,
+                             int64_t N, int64_t K, const at::Tensor& bias, at::Tensor& y) {
+  const Q8Activations a = quantize_activations(x.data_ptr<at::BFloat16>(), K);
+  const tandem::Output out = tandem::output(y, nullptr, bias);
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // one row at a time, as for int8
+    q8_0_rows_vnni(q, scale, ldq, lds, a, out, begin, end);
   });
 }
 
@@ -204,21 +332,24 @@ void run_int8_one_token(const int8_t* q, const at::Tensor& x, int64_t N, int64_t
 // so x is pre-permuted to match (xp: per pair [x_a 0-15, x_b 0-15], [x_a 16-31, x_b 16-31]); the dot
 // lanes 0-7 then belong to a, 8-15 to b, scaled by [d_a x 8, d_b x 8], permuted out of 16 scales
 // converted from fp16 per block of 8 pairs. About 10 instructions per 64 weights.
-// q4_1 (mins != nullptr): w = u d + m, so sum_j x_j w_j = d_g (T_g - 128 X_g) + m_g X_g and
+// q4_1 (scale holds (d, m) pairs): w = u d + m, so sum_j x_j w_j = d_g (T_g - 128 X_g) + m_g X_g and
 // y = sum_g d_g T_g - 128 sum_g d_g X_g + sum_g m_g X_g.
+template <bool Q41>
 inline float int4_row_one_token(const uint8_t* q, const at::Half* scale, int64_t K, const uint16_t* xp,
-                                const uint16_t* x, const float* xsum, const __m512i* pair_idx,
-                                const at::Half* mins) {
+                                const uint16_t* x, const float* xsum, const __m512i* pair_idx) {
   const int64_t groups = K / 32, pairs = groups / 2;
   const __m512i low4 = _mm512_set1_epi16(0x0F), magic = _mm512_set1_epi16(0x4300);
   __m512 acc = _mm512_setzero_ps(), corr = _mm512_setzero_ps(), corr_min = _mm512_setzero_ps();
   for (int64_t g0 = 0; g0 < groups; g0 += 16) {  // blocks of 16 groups = 8 pairs
     const __mmask16 gm = lane_mask(groups - g0);
-    const __m512 d16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, scale + g0));
+    __m512 d16, m16;
+    if (Q41)
+      pairs_to_floats(scale + 2 * g0, groups - g0, &d16, &m16);
+    else
+      d16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, scale + g0));
     const __m512 xs16 = _mm512_maskz_loadu_ps(gm, xsum + g0);
     corr = _mm512_fmadd_ps(d16, xs16, corr);
-    if (mins != nullptr)
-      corr_min = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, mins + g0)), xs16, corr_min);
+    if (Q41) corr_min = _mm512_fmadd_ps(m16, xs16, corr_min);
     const int64_t p_end = std::min<int64_t>(pairs, g0 / 2 + 8);
     for (int64_t p = g0 / 2; p < p_end; ++p) {
       const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * p)));
@@ -237,16 +368,17 @@ inline float int4_row_one_token(const uint8_t* q, const at::Half* scale, int64_t
     __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_maskz_loadu_epi16(0xFFFF, x + 32 * g),
                                 (__m512bh)lo);
     t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_maskz_loadu_epi16(0xFFFF, x + 32 * g + 16), (__m512bh)hi);
-    acc = _mm512_fmadd_ps(t, _mm512_set1_ps(static_cast<float>(scale[g])), acc);
+    acc = _mm512_fmadd_ps(t, _mm512_set1_ps(static_cast<float>(scale[Q41 ? 2 * g : g])), acc);
   }
   // NOTE: one horizontal sum per row (each costs about as much as a pair of groups on short rows).
-  if (mins != nullptr)
+  if (Q41)
     return _mm512_reduce_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(-128.0f), corr, _mm512_add_ps(acc, corr_min)));
   return _mm512_reduce_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(-136.0f), corr, acc));
 }
 
-void run_int4_one_token(const uint8_t* q, const at::Half* scale, const at::Tensor& x, int64_t N, int64_t K,
-                        const at::Tensor& bias, at::Tensor& y, const at::Half* mins = nullptr) {
+template <bool Q41>
+void run_int4_one_token(const uint8_t* q, const at::Half* scale, int64_t ldq, int64_t lds, const at::Tensor& x,
+                        int64_t N, int64_t K, const at::Tensor& bias, at::Tensor& y) {
   const int64_t groups = K / 32, pairs = groups / 2;
   const auto* x16 = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const at::BFloat16* xb = x.data_ptr<at::BFloat16>();
@@ -270,8 +402,8 @@ void run_int4_one_token(const uint8_t* q, const at::Half* scale, const at::Tenso
   const tandem::Output out = tandem::output(y, nullptr, bias);
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // one row at a time, as for int8
     for (int64_t row = begin; row < end; ++row) {
-      const float acc = int4_row_one_token(q + row * (K / 2), scale + row * groups, K, xperm.data(), x16,
-                                           xsum.data(), pair_idx, mins == nullptr ? nullptr : mins + row * groups);
+      const float acc =
+          int4_row_one_token<Q41>(q + row * ldq, scale + row * lds, K, xperm.data(), x16, xsum.data(), pair_idx);
       out.store(&acc, 1, 1, row);
     }
   });
@@ -344,7 +476,7 @@ at::Tensor linear_int4(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::
   at::Tensor b;
   at::Tensor y = tandem::prepare_linear(x, N, K, bias, b, "linear_int4");
   if (x.size(0) == 1) {
-    run_int4_one_token(qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), x, N, K, b, y);
+    run_int4_one_token<false>(qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K / 2, K / 32, x, N, K, b, y);
     return y;
   }
   run(Int4Rows{qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K}, x, N, K, nullptr, b, y);
@@ -387,28 +519,40 @@ at::Tensor dequantize(at::Tensor qweight, at::Tensor scale) {
 
 namespace {
 
-void check_groups(const at::Tensor& t, int64_t N, int64_t K, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kHalf && t.dim() == 2 && t.size(0) == N && t.size(1) == K / 32 &&
-                  t.is_contiguous(),
-              what, " must be contiguous fp16 [N, K / 32]");
+// The one-token q8_0 kernel quantizes the activations (run_q8_0_one_token_vnni) when the CPU has
+// AVX512-VNNI, unless TANDEM_Q8_0_EXACT=1 (read on every call) asks for exact products in fp32.
+bool q8_0_vnni() {
+  static const bool has_vnni = __builtin_cpu_supports("avx512vnni");
+  const char* exact = std::getenv("TANDEM_Q8_0_EXACT");
+  return has_vnni && !(exact != nullptr && exact[0] == '1');
 }
 
-int64_t check_q4_1(const at::Tensor& qweight, const at::Tensor& scale, const at::Tensor& mins) {
-  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous(),
-              "q4_1: qweight must be contiguous uint8 [N, K / 2]");
+// q4_1 rows may be strided as q8_0's (QuantizedLinear: a row's (d, m) pairs, then its codes, one buffer).
+int64_t check_q4_1(const at::Tensor& qweight, const at::Tensor& scale) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.stride(1) == 1 &&
+                  qweight.stride(0) >= qweight.size(1),
+              "q4_1: qweight must be uint8 [N, K / 2] with contiguous rows");
   const int64_t N = qweight.size(0), K = 2 * qweight.size(1);
   TORCH_CHECK(K % 32 == 0, "q4_1: K must be a multiple of 32");
-  check_groups(scale, N, K, "q4_1: scale");
-  check_groups(mins, N, K, "q4_1: min");
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.dim() == 3 && scale.size(0) == N && scale.size(1) == K / 32 &&
+                  scale.size(2) == 2 && scale.stride(2) == 1 && scale.stride(1) == 2 && scale.stride(0) >= K / 16,
+              "q4_1: scale must be fp16 [N, K / 32, 2] (d, m pairs) with contiguous rows");
   return K;
 }
 
+// q8_0 rows may be strided (row stride >= row length, elements contiguous): QuantizedLinear keeps each
+// row's scales just before its codes in one buffer (codes and rows 64-byte aligned), so the weights are
+// one sequential stream of about K * 34 / 32 bytes per row (like llama.cpp's 34-byte blocks); separate
+// code and scale arrays are a second stream, which cost 15-20% on layers streamed from DRAM.
 int64_t check_q8_0(const at::Tensor& qweight, const at::Tensor& scale) {
-  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar && qweight.is_contiguous(),
-              "q8_0: qweight must be contiguous int8 [N, K]");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar && qweight.stride(1) == 1 &&
+                  qweight.stride(0) >= qweight.size(1),
+              "q8_0: qweight must be int8 [N, K] with contiguous rows");
   const int64_t N = qweight.size(0), K = qweight.size(1);
   TORCH_CHECK(K % 32 == 0, "q8_0: K must be a multiple of 32");
-  check_groups(scale, N, K, "q8_0: scale");
+  TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.dim() == 2 && scale.size(0) == N && scale.size(1) == K / 32 &&
+                  scale.stride(1) == 1 && scale.stride(0) >= K / 32,
+              "q8_0: scale must be fp16 [N, K / 32] with contiguous rows");
   return K;
 }
 
@@ -427,42 +571,46 @@ at::Tensor dequantize_rows(const Rows& rows, const at::Tensor& qweight, int64_t 
 
 // x [M, K] bf16, qweight int8 [N, K], scale fp16 [N, K / 32], bias [N] bf16 or None -> y [M, N] bf16.
 at::Tensor linear_q8_0(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::optional<at::Tensor> bias) {
-  const int64_t K = check_q8_0(qweight, scale), N = qweight.size(0);
+  const int64_t K = check_q8_0(qweight, scale), N = qweight.size(0), ldq = qweight.stride(0), lds = scale.stride(0);
   at::Tensor b;
   at::Tensor y = tandem::prepare_linear(x, N, K, bias, b, "linear_q8_0");
-  if (x.size(0) == 1) {
-    run_q8_0_one_token(qweight.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), x, N, K, b, y);
+  if (x.size(0) == 1 && q8_0_vnni()) {
+    run_q8_0_one_token_vnni(qweight.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), ldq, lds, x, N, K, b, y);
     return y;
   }
-  run(Q80Rows{qweight.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), K}, x, N, K, nullptr, b, y);
+  if (x.size(0) == 1) {
+    run_q8_0_one_token(qweight.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), ldq, lds, x, N, K, b, y);
+    return y;
+  }
+  run(Q80Rows{qweight.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), K, ldq, lds}, x, N, K, nullptr, b, y);
   return y;
 }
 
-// x [M, K] bf16, qweight uint8 [N, K / 2], scale and min fp16 [N, K / 32], bias [N] bf16 or None -> y [M, N].
-at::Tensor linear_q4_1(at::Tensor x, at::Tensor qweight, at::Tensor scale, at::Tensor mins,
-                       c10::optional<at::Tensor> bias) {
-  const int64_t K = check_q4_1(qweight, scale, mins), N = qweight.size(0);
+// x [M, K] bf16, qweight uint8 [N, K / 2], scale fp16 [N, K / 32, 2] (d, m), bias [N] bf16 or None -> y [M, N].
+at::Tensor linear_q4_1(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::optional<at::Tensor> bias) {
+  const int64_t K = check_q4_1(qweight, scale), N = qweight.size(0);
   at::Tensor b;
   at::Tensor y = tandem::prepare_linear(x, N, K, bias, b, "linear_q4_1");
-  const at::Half* m = mins.data_ptr<at::Half>();
   if (x.size(0) == 1) {
-    run_int4_one_token(qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), x, N, K, b, y, m);
+    run_int4_one_token<true>(qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), qweight.stride(0),
+                             scale.stride(0), x, N, K, b, y);
     return y;
   }
-  run(Int4Rows{qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K, m}, x, N, K, nullptr, b, y);
+  run(Int4Rows{qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K, true, qweight.stride(0), scale.stride(0)},
+      x, N, K, nullptr, b, y);
   return y;
 }
 
 // bf16(q * scale) [N, K] of a q8_0 layer (qweight int8 [N, K], scale fp16 [N, K / 32]).
 at::Tensor dequantize_q8_0(at::Tensor qweight, at::Tensor scale) {
-  const int64_t K = check_q8_0(qweight, scale);
-  return dequantize_rows(Q80Rows{qweight.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), K}, qweight, K);
+  const int64_t K = check_q8_0(qweight, scale), ldq = qweight.stride(0), lds = scale.stride(0);
+  return dequantize_rows(Q80Rows{qweight.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), K, ldq, lds}, qweight, K);
 }
 
-// bf16(u * scale + min) [N, K] of a q4_1 layer (qweight uint8 [N, K / 2], scale and min fp16 [N, K / 32]).
-at::Tensor dequantize_q4_1(at::Tensor qweight, at::Tensor scale, at::Tensor mins) {
-  const int64_t K = check_q4_1(qweight, scale, mins);
-  return dequantize_rows(Int4Rows{qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K,
-                                  mins.data_ptr<at::Half>()},
-                         qweight, K);
+// bf16(u * d + m) [N, K] of a q4_1 layer (qweight uint8 [N, K / 2], scale fp16 [N, K / 32, 2] (d, m)).
+at::Tensor dequantize_q4_1(at::Tensor qweight, at::Tensor scale) {
+  const int64_t K = check_q4_1(qweight, scale);
+  return dequantize_rows(
+      Int4Rows{qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K, true, qweight.stride(0), scale.stride(0)},
+      qweight, K);
 }
