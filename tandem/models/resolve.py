@@ -100,6 +100,8 @@ def convert_gguf_cached(
             "converter_version": CONVERTER_VERSION,
         }
         (tmp / "tandem_source.json").write_text(json.dumps(source, indent=2) + "\n")
+        if final.exists() and not (final / "config.json").is_file():
+            _discard_damaged(final)
         os.rename(tmp, final)
     except OSError:
         # NOTE: another process may have renamed its own copy into place first; use it if complete.
@@ -110,6 +112,20 @@ def convert_gguf_cached(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _discard_damaged(folder: Path) -> None:
+    """Delete a cache folder that lost its ``config.json`` (files removed by hand or by a cleanup tool).
+
+    It is first renamed into a fresh ``.stale-*`` sibling, so a concurrent process never sees it half
+    deleted; if another process moved it first, there is nothing to do.
+    """
+    stale = Path(tempfile.mkdtemp(prefix=f".stale-{folder.name}-", dir=folder.parent))
+    try:
+        os.rename(folder, stale / "old")
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(stale, ignore_errors=True)
 
 
 def _single_gguf(folder: Path) -> Path | None:

@@ -113,7 +113,8 @@ def plan_cpus(cpu_bind: str, num_threads: int | None, allowed: list[int] | None 
                               f"(allowed: {allowed})")
         if num_threads is not None and num_threads != len(engine):
             raise ConfigError(f"num_threads {num_threads} does not match cpu_bind {cpu_bind!r} "
-                              f"({len(engine)} cores); the thread count comes from the core list, drop one")
+                              f"({len(engine)} core{'s' if len(engine) != 1 else ''}); "
+                              "the thread count comes from the core list, drop one")
     rest = [c for c in allowed if c not in engine]
     return CpuPlan(engine, len(engine), rest or None)
 

@@ -68,6 +68,24 @@ def test_gguf_is_converted_once_into_an_atomic_cache(tmp_path, monkeypatch):
     assert len(calls) == 3
 
 
+def test_a_damaged_cache_folder_is_rebuilt(tmp_path, monkeypatch):
+    model = tmp_path / "tiny-llama.gguf"
+    model.write_bytes(b"GGUF placeholder: the converter is faked")
+    cache = tmp_path / "cache"
+
+    def convert(gguf_path, out_dir, *, progress):
+        (out_dir / "config.json").write_text(json.dumps({"converted": str(gguf_path)}))
+        (out_dir / "model.safetensors").write_bytes(b"weights")
+        return out_dir
+
+    monkeypatch.setattr(resolve, "convert_gguf", convert)
+    folder = resolve_model_path(str(model), cache_dir=str(cache))
+    (folder / "config.json").unlink()  # e.g. removed by a cleanup tool; the weights are still there
+    assert resolve_model_path(str(model), cache_dir=str(cache)) == folder
+    assert json.loads((folder / "config.json").read_text()) == {"converted": str(model.resolve())}
+    assert sorted(p.name for p in (cache / "gguf").iterdir()) == [folder.name]  # no .tmp-* / .stale-* left
+
+
 def test_bad_model_references_raise_clear_errors(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     expected = r"expected a directory with config.json and \*.safetensors, or a .gguf file"
