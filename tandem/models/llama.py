@@ -201,7 +201,6 @@ class LlamaModel(nn.Module):
             return self.norm(x)
         return self.norm(x, residual)[0]
 
-
     def fused_step(self, x: torch.Tensor) -> bool:
         """Whether this step's layers may run as one C++ call each (``LlamaDecoderLayer.forward_fused``):
         bf16 activations, the C++ paged attention backend, and few enough tokens (``T``) that every
@@ -257,10 +256,12 @@ class LlamaForCausalLM(nn.Module):
         """
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [N, hidden] -> logits [N, vocab]`` float32.
+    def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """``hidden [N, hidden] -> logits [N, vocab]`` in ``dtype`` (None: the model dtype, no copy).
 
         NOTE: the GEMM runs in the model dtype and only its output is cast (as vLLM does): a float32
-        copy of a large vocabulary's lm_head would cost memory and time on every step.
+        copy of a large vocabulary's lm_head would cost memory and time on every step. The sampler
+        takes model-dtype logits and casts only the rows that need float32.
         """
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        return logits if dtype is None else logits.to(dtype)

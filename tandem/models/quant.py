@@ -71,10 +71,14 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Float32 ``[N, K]`` weights of an int4 layer (inverse of ``quantize_int4`` up to rounding)."""
-    n = packed.shape[0]
-    b = packed.view(n, -1, GROUP // 2).to(torch.int16)
-    q = torch.cat([b & 0xF, b >> 4], dim=2).float() - 8.0  # [n, groups, 32]
-    return (q * scale.float()[..., None]).view(n, -1)
+    q = _unpack_nibbles(packed) - 8.0
+    return (q * scale.float()[..., None]).view(packed.shape[0], -1)
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """``packed [N, K/2]`` uint8 in int4's layout -> the codes ``[N, K/32, 32]`` float32 in 0..15."""
+    b = packed.view(packed.shape[0], -1, GROUP // 2).to(torch.int16)
+    return torch.cat([b & 0xF, b >> 4], dim=2).float()
 
 
 def dequantize_q8_0(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -85,11 +89,9 @@ def dequantize_q8_0(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def dequantize_q4_1(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Float32 ``[N, K]`` weights of a q4_1 layer: ``u * d + m`` per group of 32, ``scale [N, K/32, 2]`` = (d, m)."""
-    n = packed.shape[0]
-    b = packed.view(n, -1, GROUP // 2).to(torch.int16)
-    u = torch.cat([b & 0xF, b >> 4], dim=2).float()  # [n, groups, 32]
+    u = _unpack_nibbles(packed)
     s = scale.float()
-    return (u * s[..., 0:1] + s[..., 1:2]).view(n, -1)
+    return (u * s[..., 0:1] + s[..., 1:2]).view(packed.shape[0], -1)
 
 
 def dequantize_weight(method: str, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -30,10 +30,8 @@ AUTO_RESERVE_MIN_CORES = 4
 
 
 def available_cores() -> int:
-    """Cores this process may run on (its CPU affinity set where the OS reports one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    """How many cores this process may run on (its CPU affinity set where the OS reports one)."""
+    return len(allowed_cpus())
 
 
 def allowed_cpus() -> list[int]:

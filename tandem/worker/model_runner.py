@@ -195,9 +195,9 @@ class ModelRunner:
             )
             ends = list(itertools.accumulate(len(r.token_ids) for r in rows))
             if sample_rows:
-                # NOTE: lm_head without compute_logits' float32 cast: the sampler copies to float32
-                # only the rows that need it, and greedy rows argmax the model-dtype logits as they are.
-                logits = self.model.lm_head(hidden[[ends[i] - 1 for i in sample_rows]])
+                # NOTE: model-dtype logits: the sampler copies to float32 only the rows that need it,
+                # and greedy rows argmax them as they are.
+                logits = self.model.compute_logits(hidden[[ends[i] - 1 for i in sample_rows]], dtype=None)
                 sampled = self.sampler(logits, states)
                 for i, state, token, logprobs in zip(
                     sample_rows, states, sampled.token_ids, sampled.logprobs, strict=True

@@ -82,16 +82,12 @@ inline __m512bh load_bf16_masked(const uint16_t* p, __mmask32 m) {
   return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
 }
 
-// out[m * RB + r] = sum_k x[m, k] * w[r, k] for MB tokens and RB rows.
+// acc[m * RB + r] += sum_k x[m, k] * w[r, k] for MB tokens and RB rows: the shared inner loop of
+// dot_tile and dot_tile_sums (always inlined, so the accumulators stay in registers).
 // pf (or nullptr): rows to prefetch into L1, one cache line per row per 32 elements.
 template <int MB, int RB>
-inline void dot_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, float* out,
-                     const uint16_t* pf) {
-  __m512 acc[MB][RB];
-  TANDEM_UNROLL
-  for (int m = 0; m < MB; ++m)
-    TANDEM_UNROLL
-    for (int r = 0; r < RB; ++r) acc[m][r] = _mm512_setzero_ps();
+__attribute__((always_inline)) inline void accumulate_tile(const uint16_t* x, int64_t ldx, const uint16_t* w,
+                                                           int64_t ldw, int64_t K, __m512* acc, const uint16_t* pf) {
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
     if (pf != nullptr)
@@ -102,9 +98,9 @@ inline void dot_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t 
     for (int r = 0; r < RB; ++r) wv[r] = load_bf16(w + r * ldw + k);
     TANDEM_UNROLL
     for (int m = 0; m < MB; ++m) {
-      __m512bh xv = load_bf16(x + m * ldx + k);
+      const __m512bh xv = load_bf16(x + m * ldx + k);
       TANDEM_UNROLL
-      for (int r = 0; r < RB; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+      for (int r = 0; r < RB; ++r) acc[m * RB + r] = _mm512_dpbf16_ps(acc[m * RB + r], xv, wv[r]);
     }
   }
   if (k < K) {
@@ -115,15 +111,23 @@ inline void dot_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t 
     for (int r = 0; r < RB; ++r) wv[r] = load_bf16_masked(w + r * ldw + k, mask);
     TANDEM_UNROLL
     for (int m = 0; m < MB; ++m) {
-      __m512bh xv = load_bf16_masked(x + m * ldx + k, mask);
+      const __m512bh xv = load_bf16_masked(x + m * ldx + k, mask);
       TANDEM_UNROLL
-      for (int r = 0; r < RB; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+      for (int r = 0; r < RB; ++r) acc[m * RB + r] = _mm512_dpbf16_ps(acc[m * RB + r], xv, wv[r]);
     }
   }
+}
+
+// out[m * RB + r] = sum_k x[m, k] * w[r, k] for MB tokens and RB rows, each sum reduced on its own.
+template <int MB, int RB>
+inline void dot_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, float* out,
+                     const uint16_t* pf) {
+  __m512 acc[MB * RB];
   TANDEM_UNROLL
-  for (int m = 0; m < MB; ++m)
-    TANDEM_UNROLL
-    for (int r = 0; r < RB; ++r) out[m * RB + r] = _mm512_reduce_add_ps(acc[m][r]);
+  for (int i = 0; i < MB * RB; ++i) acc[i] = _mm512_setzero_ps();
+  accumulate_tile<MB, RB>(x, ldx, w, ldw, K, acc, pf);
+  TANDEM_UNROLL
+  for (int i = 0; i < MB * RB; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
 }
 
 // out[m] = sum_k x[m, k] * w[k] for MB tokens and one row, U accumulators per token (K unrolled
@@ -242,33 +246,7 @@ inline void dot_tile_sums(const uint16_t* x, int64_t ldx, const uint16_t* w, int
   __m512 acc[MB * RB];
   TANDEM_UNROLL
   for (int i = 0; i < MB * RB; ++i) acc[i] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    if (pf != nullptr)
-      TANDEM_UNROLL
-      for (int r = 0; r < RB; ++r) _mm_prefetch(reinterpret_cast<const char*>(pf + r * ldw + k), _MM_HINT_T0);
-    __m512bh wv[RB];
-    TANDEM_UNROLL
-    for (int r = 0; r < RB; ++r) wv[r] = load_bf16(w + r * ldw + k);
-    TANDEM_UNROLL
-    for (int m = 0; m < MB; ++m) {
-      const __m512bh xv = load_bf16(x + m * ldx + k);
-      TANDEM_UNROLL
-      for (int r = 0; r < RB; ++r) acc[m * RB + r] = _mm512_dpbf16_ps(acc[m * RB + r], xv, wv[r]);
-    }
-  }
-  if (k < K) {
-    const __mmask32 mask = (__mmask32)((1ULL << (K - k)) - 1);  // masked-off lanes load as zero
-    __m512bh wv[RB];
-    TANDEM_UNROLL
-    for (int r = 0; r < RB; ++r) wv[r] = load_bf16_masked(w + r * ldw + k, mask);
-    TANDEM_UNROLL
-    for (int m = 0; m < MB; ++m) {
-      const __m512bh xv = load_bf16_masked(x + m * ldx + k, mask);
-      TANDEM_UNROLL
-      for (int r = 0; r < RB; ++r) acc[m * RB + r] = _mm512_dpbf16_ps(acc[m * RB + r], xv, wv[r]);
-    }
-  }
+  accumulate_tile<MB, RB>(x, ldx, w, ldw, K, acc, pf);
   store_sums<MB * RB>(acc, out);
 }
 
