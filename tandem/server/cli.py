@@ -54,7 +54,11 @@ def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host:port`` (not yet listening: clients are refused until uvicorn
-    serves). Raises: OSError when the address is in use or cannot be resolved."""
+    serves). Raises: OSError when the port is outside 0-65535, the address is in use or cannot be
+    resolved."""
+    if not 0 <= port <= 65535:
+        # NOTE: getaddrinfo would wrap it modulo 65536 and bind another port without a word.
+        raise OSError(f"port must be 0-65535, got {port}")
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -17,6 +17,7 @@ import logging
 import platform
 from pathlib import Path
 
+import psutil
 import torch
 
 from tandem.attention import AttentionBackend, AttentionMetadata, token_positions
@@ -58,6 +59,9 @@ def resolve_context_len(requested: int | None, hf: HFModelConfig) -> int:
         )
     return requested
 
+
+# Largest share of the currently available memory the KV cache may take.
+KV_MEMORY_FRACTION = 0.9
 
 # glibc mallopt() parameters (malloc.h) and values: blocks up to 32 MiB (the documented maximum of
 # M_MMAP_THRESHOLD on 64-bit) come from the heap, whose free top is kept up to 1 GiB.
@@ -151,7 +155,20 @@ class ModelRunner:
         """Allocate zeroed per-layer ``k_cache, v_cache [num_blocks, block_size, KV, D]`` (model dtype).
 
         Changes: replaces ``kv_caches`` and ``num_blocks`` (any cached K/V is dropped).
+
+        Raises:
+            ConfigError: the cache (zero-filled, so all of it resident) exceeds ``KV_MEMORY_FRACTION`` of
+                the memory available now.
         """
+        needed = num_blocks * self.kv_cache_bytes_per_block(self.block_size)
+        available = psutil.virtual_memory().available
+        # NOTE: 10% of what is free stays free (activations, logits, the front end, the OS).
+        if needed > KV_MEMORY_FRACTION * available:
+            raise ConfigError(
+                f"the KV cache needs {needed / (1 << 30):.2f} GiB but only {available / (1 << 30):.2f} GiB of "
+                f"memory is available (at most {KV_MEMORY_FRACTION:.0%} of it is used); lower --kv-cache-gib "
+                f"(or --num-kv-blocks)"
+            )
         self.kv_caches = self._allocate_kv(num_blocks)
         self.num_blocks = num_blocks
         if self.speculator is not None:

@@ -19,6 +19,7 @@ def failures(api_server, stories_dir, tmp_path_factory):
     broken.write_text("{% for m in messages %}{{ m['content'] }")
     cases = {
         "port in use": ["--port", str(api_server.port)],
+        "port out of range": ["--port", "99999"],
         "no template file": ["--chat-template", "/nonexistent/t.jinja"],
         "template syntax": ["--chat-template", str(broken)],
         "context too long": ["--max-model-len", "4096"],
@@ -41,6 +42,12 @@ def test_busy_port_fails_before_loading(failures, api_server):
     code, err = results["port in use"]
     assert code == 1
     assert err.splitlines() == [f"tandem: error: cannot listen on 127.0.0.1:{api_server.port}: Address already in use"]
+
+
+def test_port_out_of_range_fails_instead_of_wrapping(failures):
+    code, err = failures[0]["port out of range"]
+    assert code == 1
+    assert err.splitlines() == ["tandem: error: cannot listen on 127.0.0.1:99999: port must be 0-65535, got 99999"]
 
 
 def test_bad_chat_template_fails_at_startup(failures):

@@ -7,10 +7,11 @@ import math
 import platform
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
-from tandem.config import CacheConfig, EngineConfig, ModelConfig
+from tandem.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from tandem.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
 from tandem.sampling_params import SamplingParams
 from tandem.worker.cpu_env import available_cores, configure_threads
@@ -72,6 +73,11 @@ def test_execute_errors(runner: ModelRunner, tiny_llama_dir: Path) -> None:
     fresh = ModelRunner(tiny_llama_dir, EngineConfig(model=ModelConfig(dtype="float32")), progress=False)
     with pytest.raises(RuntimeError, match="initialize_kv_cache"):
         fresh.execute(SchedulerOutput(scheduled=[ScheduledRequest("x", [1], 0, [0], sample=False)]))
+    # More KV cache than the machine has: a clear error before anything is allocated.
+    blocks = 2 * psutil.virtual_memory().total // fresh.kv_cache_bytes_per_block(fresh.block_size)
+    with pytest.raises(ConfigError, match=r"the KV cache needs .* GiB but only .* GiB of memory is available"):
+        fresh.initialize_kv_cache(blocks)
+    assert fresh.kv_caches == [] and fresh.num_blocks == 0
 
 
 def test_bfloat16_runner_close_to_float32(tiny_llama_dir: Path, runner: ModelRunner) -> None:
