@@ -128,24 +128,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+CHAT_HELP = "tandem chat: type a message; /reset clears the history, /exit or Ctrl-D quits."
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     llm = _llm_from_args(args)
     params = sampling_params_from_args(llm, args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
-    print("tandem chat: type a message; /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
+    print(CHAT_HELP, file=sys.stderr)
     while True:
         try:
             line = input("> ")
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return 0
-        if line.strip() in ("/exit", "/quit"):
+        command = line.strip()
+        if command in ("/exit", "/quit"):
             return 0
-        if line.strip() == "/reset":
+        if command == "/reset":
             messages = list(system)
+            print("[history cleared]", file=sys.stderr)
             continue
-        if not line.strip():
+        if command.startswith("/"):
+            # NOTE: a mistyped command is not sent to the model as a message.
+            print(f"unknown command {command.split()[0]!r}; {CHAT_HELP}", file=sys.stderr)
+            continue
+        if not command:
             continue
         messages.append({"role": "user", "content": line})
         reply = _stream_reply(llm, messages, params)

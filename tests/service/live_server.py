@@ -89,7 +89,7 @@ def metric_samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
     samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "instance_id")))
             samples[(s.name, labels)] = s.value
     return samples
 
