@@ -185,3 +185,38 @@ def test_retrieve_model_and_head_health(server):
     assert httpx.get(f"{server.url}/v1/models/{MODEL}", timeout=10).status_code == 401
     r = httpx.head(f"{server.url}/health", timeout=10)
     assert r.status_code == 200 and r.content == b""
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/v1/completions", {"prompt": "Hi", "guided_json": {"type": "object"}}, "guided_json",
+     "guided_json is not supported"),
+    ("/v1/completions", {"prompt": "Hi", "guided_regex": "a+"}, "guided_regex", "guided_regex is not supported"),
+    ("/v1/chat/completions", {"guided_choice": ["a", "b"]}, "guided_choice", "guided_choice is not supported"),
+    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice",
+     "tool_choice is only allowed when tools are given, and tools are not supported"),
+    ("/v1/chat/completions", {"parallel_tool_calls": False}, "parallel_tool_calls",
+     "parallel_tool_calls is not supported"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     "tools are not supported"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format",
+     "response_format of type 'json_schema' is not supported yet"),
+])
+def test_fields_tandem_does_not_honour_are_refused(server, path, body, param, message):
+    base = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    r = post(server, path, {"model": MODEL, **base, "max_tokens": 2, **body})
+    assert r.status_code == 400 and r.json() == error(param, message)
+
+
+def test_fields_that_change_nothing_are_accepted(server):
+    messages = [{"role": "user", "content": "Hi"}]
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 2,
+                                              "tool_choice": "none", "parallel_tool_calls": None,
+                                              "response_format": {"type": "text"}, "guided_json": None})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path, param", [("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")])
+def test_empty_body_names_the_required_field(server, path, param):
+    r = httpx.post(f"{server.url}{path}", headers=AUTH, timeout=10)
+    assert r.status_code == 400
+    assert r.json() == error(param, f"the request body must be a JSON object with the field {param!r}")
