@@ -130,7 +130,8 @@ class EngineCoreProc:
     Args:
         core: the engine (already built; this class only drives it).
         inputs / outputs: connected ZeroMQ PULL / PUSH sockets.
-        parent_pid: the front end's pid; the loop exits when it is gone.
+        parent_pid: the pid of this process's parent (the front end, or the fork server it started);
+            the loop exits once the parent is gone (the fork server leaves when the front end does).
         max_queue_len: waiting-queue bound (0 = unbounded); beyond it adds are answered 429.
     """
 
@@ -281,7 +282,8 @@ def run_engine_core(
         outputs.send(encoder.encode(Ready(core.max_model_len, getattr(core, "num_blocks", 0),
                                            config.cache.block_size)))
         ready = True
-        EngineCoreProc(core, inputs, outputs, parent_pid, config.scheduler.max_queue_len).run()
+        # NOTE: the parent may be the front end's fork server (see core_client), not the front end.
+        EngineCoreProc(core, inputs, outputs, os.getppid(), config.scheduler.max_queue_len).run()
     except Exception as e:
         # NOTE: a bad flag or model while loading (ValueError, FileNotFoundError) is the user's to fix:
         # the front end prints the one-line message. Anything else is a bug: its traceback is logged
