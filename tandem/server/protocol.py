@@ -99,7 +99,7 @@ class SamplingRequest(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    request_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+    request_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")] | None = None
     logit_bias: dict[str, float] | None = None
     # NOTE: known fields Tandem does not honour yet: a non-null value is refused (400, param = the field).
     guided_json: Any = None

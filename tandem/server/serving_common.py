@@ -103,15 +103,16 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
         async for out in streams[0]:
             yield 0, out
         return
-    queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
+    # NOTE: bounded: a pump waits while the reader lags, and its stream's collector merges the deltas.
+    queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue(maxsize=len(streams))
 
     async def pump(i: int, stream: RequestStream) -> None:
         try:
             async for out in stream:
-                queue.put_nowait((i, out))
-            queue.put_nowait((i, None))
+                await queue.put((i, out))
+            await queue.put((i, None))
         except Exception as e:
-            queue.put_nowait((i, e))
+            await queue.put((i, e))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:

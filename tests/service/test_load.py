@@ -80,3 +80,23 @@ def test_a_request_id_in_use_is_400(server):
     wait_idle(server.url)
     done = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False, "max_tokens": 2}, timeout=10)
     assert done.status_code == 200 and done.json()["id"] == "cmpl-job-1"
+
+
+def test_a_streamed_list_prompt_merges_every_choice(server):
+    # Two prompts x n=2 through the bounded merge: each choice's deltas add up to the non-streamed text.
+    body = {"prompt": ["Once upon a time", "Hi"], "n": 2, "max_tokens": 6, "ignore_eos": True, "temperature": 0}
+    whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()
+    texts = {c["index"]: c["text"] for c in whole["choices"]}
+    assert sorted(texts) == [0, 1, 2, 3]
+    streamed: dict[int, str] = {}
+    finished = {}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    for event in events[:-1]:
+        for c in json.loads(event)["choices"]:
+            streamed[c["index"]] = streamed.get(c["index"], "") + c["text"]
+            if c["finish_reason"] is not None:
+                finished[c["index"]] = c["finish_reason"]
+    assert streamed == texts
+    assert finished == {i: "length" for i in range(4)}
