@@ -181,10 +181,13 @@ def _stream_reply(llm, messages: list[dict], params) -> str | None:
     return "".join(parts)
 
 
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="CPU-first LLM inference")
-    parser.add_argument("--log-level", default="WARNING", type=str.upper,
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="logging verbosity")
+    parser.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS,
+                        help="logging verbosity")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="complete one prompt offline")
@@ -201,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
 
     _add_optional_commands(sub)
+    for command in sub.choices.values():
+        # NOTE: also accepted after the subcommand (tandem serve --log-level INFO); SUPPRESS keeps the
+        # top-level value when the subcommand does not set it.
+        command.add_argument("--log-level", default=argparse.SUPPRESS, type=str.upper, choices=LOG_LEVELS,
+                             help="logging verbosity (same as tandem --log-level)")
     return parser
 
 

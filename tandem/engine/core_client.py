@@ -190,6 +190,9 @@ class EngineCoreClient:
         reused by the next core's socket while the stale registration still points at this one.
         """
         self._unwatch()
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
         if self.outputs is not None:
             self.outputs.close(linger=0)
             self.outputs = None
@@ -265,8 +268,6 @@ class EngineCoreClient:
         Idempotent."""
         if self.ctx.closed:
             return
-        if self._retry is not None:
-            self._retry.cancel()
         if self.proc.is_alive():
             try:
                 self._send(Shutdown())

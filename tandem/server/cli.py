@@ -29,7 +29,6 @@ from tandem.config import DEFAULT_MAX_QUEUE_LEN, EngineConfig, ServerConfig
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
 
 def add_serve_parser(
@@ -57,9 +56,6 @@ def add_serve_parser(
                         "--core-restart-window seconds (a crash loop; default 3; 1 = never restart)")
     p.add_argument("--core-restart-window", type=float, default=60.0, help="seconds (default 60)")
     p.add_argument("--instance-id", default=None, help="this server's id in /load and /metrics (default: a uuid)")
-    # NOTE: also accepted after the subcommand; SUPPRESS keeps the top-level value when it is absent here.
-    p.add_argument("--log-level", default=argparse.SUPPRESS, type=str.upper, choices=LOG_LEVELS,
-                   help="logging verbosity (same as tandem --log-level)")
     p.set_defaults(func=cmd_serve)
 
 
