@@ -18,12 +18,14 @@ def make_request(rid: str, prompt: list[int]) -> Request:
 
 
 def start(kv: KVCacheManager, req: Request, num_tokens: int | None = None) -> list[int] | None:
-    """What the scheduler does for a waiting request: prefix hit, then allocate the rest."""
+    """What the scheduler does for a waiting request: prefix hit, allocate the rest, and (once the
+    step ran) mark the computed tokens written."""
     hit_ids, num_hit = kv.get_computed_blocks(req)
     n = (req.num_tokens - num_hit) if num_tokens is None else num_tokens
     table = kv.allocate_slots(req, n, hit_ids, num_hit)
     if table is not None:
         req.num_computed_tokens = num_hit + n
+        kv.cache_written_blocks(req)
     return table
 
 
@@ -183,6 +185,7 @@ def test_blocks_filled_by_decode_are_cached():
         a.output_token_ids.append(token)
         assert kv.allocate_slots(a, 1) is not None
         a.num_computed_tokens += 1
+        kv.cache_written_blocks(a)
     kv.free(a)
     b = make_request("b", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     assert kv.get_computed_blocks(b) == ([0, 1], 8)  # block 1 was completed by output token 8
@@ -260,6 +263,7 @@ def _compute(stores: dict, kv: KVCacheManager, req: Request, n: int, block_size:
     for pos in range(req.num_computed_tokens, req.num_computed_tokens + n):
         stores[slot_of(table, pos, block_size)] = tuple(tokens[: pos + 1])
     req.num_computed_tokens += n
+    kv.cache_written_blocks(req)
 
 
 def _check_contents(stores: dict, req: Request, hit_ids: list[int], num_hit: int, block_size: int) -> None:
