@@ -120,31 +120,31 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
-    def add_remote_kv_request(self, request: Request, numremote_kv_tokens: int) -> list[int] | None:
-        """Admits a request whose first ``numremote_kv_tokens`` tokens' KV will be written by someone else.
+    def add_remote_kv_request(self, request: Request, num_remote_tokens: int) -> list[int] | None:
+        """Admits a request whose first ``num_remote_tokens`` tokens' KV will be written by someone else.
 
         Allocates blocks for those tokens now and queues the request as WAITING_FOR_REMOTE_KV: the
         policy skips it (without blocking others) until ``mark_remote_kv_ready``. The caller writes
         the KV into the returned blocks (``ModelRunner.write_kv_blocks``). At least the last prompt
-        token is computed locally, so ``numremote_kv_tokens < num_prompt_tokens``.
+        token is computed locally, so ``num_remote_tokens < num_prompt_tokens``.
 
         Returns:
-            The request's block table (ids covering ``numremote_kv_tokens`` tokens), or None when the
+            The request's block table (ids covering ``num_remote_tokens`` tokens), or None when the
             pool lacks free blocks now (then nothing changed; retry later).
         Changes: block tables, the waiting queue, the request's status.
         Raises:
-            As ``add_request``; ValueError: ``numremote_kv_tokens`` outside ``[1, num_prompt_tokens - 1]``.
+            As ``add_request``; ValueError: ``num_remote_tokens`` outside ``[1, num_prompt_tokens - 1]``.
         """
         self._validate_new(request)
-        if not 1 <= numremote_kv_tokens < request.num_prompt_tokens:
-            raise ValueError(f"request {request.request_id!r}: numremote_kv_tokens must be in "
-                             f"[1, {request.num_prompt_tokens - 1}], got {numremote_kv_tokens}")
-        block_ids = self.kv_cache_manager.allocate_slots(request, numremote_kv_tokens)
+        if not 1 <= num_remote_tokens < request.num_prompt_tokens:
+            raise ValueError(f"request {request.request_id!r}: num_remote_tokens must be in "
+                             f"[1, {request.num_prompt_tokens - 1}], got {num_remote_tokens}")
+        block_ids = self.kv_cache_manager.allocate_slots(request, num_remote_tokens)
         if block_ids is None:
             return None
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
-        self.remote_kv_tokens[request.request_id] = numremote_kv_tokens
+        self.remote_kv_tokens[request.request_id] = num_remote_tokens
         self.waiting.add(request)
         return block_ids
 
