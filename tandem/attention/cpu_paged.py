@@ -21,7 +21,7 @@ _LongRow = tuple[int, int, int, int, int]  # (row, start, end, num_computed, seq
 
 
 class CpuPagedAttention:
-    """Paged attention backend over Tandem's C++ kernel; requires ``kernels.available()``.
+    """Paged attention backend over Tandem's C++ kernel; requires ``kernels.available("paged_attention")``.
 
     Args:
         max_query_len: rows with more query tokens than this go to SDPA (prompt chunks).
@@ -83,4 +83,4 @@ class CpuPagedAttention:
 
 def supports(head_dim: int, dtype: torch.dtype) -> bool:
     """Whether ``CpuPagedAttention`` can serve this model here (kernels built, bf16/fp32, D <= 256)."""
-    return dtype in (torch.bfloat16, torch.float32) and head_dim <= 256 and kernels.available()
+    return dtype in (torch.bfloat16, torch.float32) and head_dim <= 256 and kernels.available("paged_attention")

@@ -1,33 +1,43 @@
-"""Tandem's own CPU kernels (AVX-512 BF16 C++, built just in time; see ``build.py``).
+"""Tandem's own CPU kernels (C++, one build per instruction set, built just in time; see ``build.py``).
 
-Each wrapper takes the same tensors as its PyTorch reference and must only be called when
-``available()`` is true; callers keep the PyTorch path as the fallback.
+Each wrapper takes the same tensors as its PyTorch reference and calls the selected variant
+(``backend()``: ``avx512_bf16`` or ``avx2``); it must only be called when ``available(op)`` is true
+for its operator name; callers keep the PyTorch path as the fallback.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tandem.kernels.build import load_extension, unsupported_reason
+from tandem.kernels.build import load_extension, selected_variant, unsupported_reason
 
 __all__ = [
-    "available", "dequantize", "linear_bf16", "linear_int4", "linear_int8", "paged_attention", "rms_norm", "rotary",
-    "silu_and_mul", "unavailable_reason",
+    "available", "backend", "dequantize", "linear_bf16", "linear_int4", "linear_int8", "paged_attention", "rms_norm",
+    "rotary", "silu_and_mul", "unavailable_reason",
 ]
 
 # Largest token count the bf16 GEMV/GEMM kernel handles; above it oneDNN's GEMM (F.linear) is faster.
 LINEAR_MAX_TOKENS = 16
 
 
-def available() -> bool:
-    """True when the compiled kernels are loaded (builds them on the first call)."""
-    return load_extension() is not None
+def available(op: str | None = None) -> bool:
+    """True when a compiled variant is loaded (built on the first call) and, if ``op`` is given,
+    it implements that operator (a function name of this module, e.g. ``"linear_q4_1"``)."""
+    module = load_extension()
+    return module is not None and (op is None or hasattr(module, op))
 
 
-def unavailable_reason() -> str | None:
-    """Why ``available()`` is false (for logs and test skips), or None when the kernels are loaded."""
-    if available():
+def backend() -> str:
+    """The kernel backend in use: ``avx512_bf16``, ``avx2`` or ``torch`` (no compiled variant)."""
+    return selected_variant() or "torch"
+
+
+def unavailable_reason(op: str | None = None) -> str | None:
+    """Why ``available(op)`` is false (for logs and test skips), or None when it is true."""
+    if available(op):
         return None
+    if available():
+        return f"the {backend()} kernels have no {op}"
     return unsupported_reason() or "the build failed (its error was logged as a warning)"
 
 

@@ -20,8 +20,8 @@ from tandem.models.hf_config import RopeConfig
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def _use_kernels(x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
-    return x.dtype in _KERNEL_DTYPES and (weight is None or weight.dtype == x.dtype) and kernels.available()
+def _use_kernels(op: str, x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
+    return x.dtype in _KERNEL_DTYPES and (weight is None or weight.dtype == x.dtype) and kernels.available(op)
 
 
 class RMSNorm(nn.Module):
@@ -43,12 +43,12 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         weight = self.weight
         if residual is not None:
-            if _use_kernels(x, weight) and x.is_contiguous() and residual.is_contiguous():
+            if _use_kernels("fused_add_rms_norm", x, weight) and x.is_contiguous() and residual.is_contiguous():
                 kernels.fused_add_rms_norm(x, residual, weight, self.eps)
                 return x, residual
             residual = residual + x
             return self.forward(residual), residual
-        if _use_kernels(x, weight):
+        if _use_kernels("rms_norm", x, weight):
             return kernels.rms_norm(x.reshape(-1, x.shape[-1]), weight, self.eps).view(x.shape)
         input_dtype = x.dtype
         h = x.float()
@@ -86,7 +86,7 @@ class Linear(nn.Module):
         # NOTE: at decode sizes stock bf16 GEMMs read weights at half the memory bandwidth; the
         # streaming AVX-512 BF16 kernel reads them at the roofline (benchmarks/README.md).
         if (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= kernels.LINEAR_MAX_TOKENS
-                and self.weight.dtype == torch.bfloat16 and kernels.available()):
+                and self.weight.dtype == torch.bfloat16 and kernels.available("linear_bf16")):
             return kernels.linear_bf16(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -106,7 +106,7 @@ class SiluAndMul(nn.Module):
     """SwiGLU gate (Shazeer 2020): ``x [..., 2d] -> silu(x[..., :d]) * x[..., d:]`` (gate first)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and _use_kernels(x):
+        if x.dim() == 2 and _use_kernels("silu_and_mul", x):
             return kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -168,7 +168,7 @@ def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q [T, H, D]`` and ``k [T, KV, D]`` by ``cos, sin [T, 1, D]`` (rotate-half layout)."""
-    if _use_kernels(q, cos) and cos.shape == sin.shape == (q.shape[0], 1, q.shape[2]) and all(
+    if _use_kernels("rotary", q, cos) and cos.shape == sin.shape == (q.shape[0], 1, q.shape[2]) and all(
         x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in (q, k)
     ):
         return kernels.rotary(q, cos, sin), kernels.rotary(k, cos, sin)
@@ -180,7 +180,7 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     with any token stride (heads contiguous), e.g. the q and k columns of a fused qkv output as
     ``[T, H + KV, D]``, so one call rotates both without a copy. Same values as ``apply_rotary``.
     """
-    if (_use_kernels(x, cos) and cos.shape == sin.shape == (x.shape[0], 1, x.shape[2])
+    if (_use_kernels("rotary_", x, cos) and cos.shape == sin.shape == (x.shape[0], 1, x.shape[2])
             and x.stride(2) == 1 and x.stride(1) == x.shape[2]):
         kernels.rotary_(x, cos, sin)
         return x

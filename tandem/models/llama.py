@@ -210,7 +210,7 @@ class LlamaModel(nn.Module):
             return False
         backend = self.layers[0].self_attn.backend
         return (isinstance(backend, CpuPagedAttention) and x.shape[0] <= backend.max_query_len
-                and x.shape[0] <= kernels.LINEAR_MAX_TOKENS and kernels.available())
+                and x.shape[0] <= kernels.LINEAR_MAX_TOKENS and kernels.available("decoder_layer_bf16"))
 
 
 class LlamaForCausalLM(nn.Module):

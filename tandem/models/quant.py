@@ -201,21 +201,19 @@ class QuantizedLinear(nn.Module):
         """The weight ``[N, K]`` as ``dtype`` (the PyTorch path and the kernels' oracle)."""
         return dequantize_weight(self.method, self.qweight, self.scale).to(dtype)
 
+    _LINEAR_OPS = {"int4": "linear_int4", "int8": "linear_int8", "q8_0": "linear_q8_0", "q4_1": "linear_q4_1"}
+    _DEQUANT_OPS = {"int4": "dequantize", "int8": "dequantize", "q8_0": "dequantize_q8_0", "q4_1": "dequantize_q4_1"}
+
     def _kernel_dequantized(self) -> torch.Tensor:
-        if self.method == "q8_0":
-            return kernels.dequantize_q8_0(self.qweight, self.scale)
-        if self.method == "q4_1":
-            return kernels.dequantize_q4_1(self.qweight, self.scale)
-        return kernels.dequantize(self.qweight, self.scale)
+        return getattr(kernels, self._DEQUANT_OPS[self.method])(self.qweight, self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        op = self._LINEAR_OPS[self.method]
         if (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= kernels.LINEAR_MAX_TOKENS
-                and (self.bias is None or self.bias.dtype == torch.bfloat16) and kernels.available()):
-            op = {"int4": kernels.linear_int4, "int8": kernels.linear_int8, "q8_0": kernels.linear_q8_0,
-                  "q4_1": kernels.linear_q4_1}[self.method]
-            return op(x, self.qweight, self.scale, self.bias)
+                and (self.bias is None or self.bias.dtype == torch.bfloat16) and kernels.available(op)):
+            return getattr(kernels, op)(x, self.qweight, self.scale, self.bias)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if x.dtype == torch.bfloat16 and kernels.available():
+        if x.dtype == torch.bfloat16 and kernels.available(self._DEQUANT_OPS[self.method]):
             # NOTE: large batches (prefill) are compute-bound: one fast dequantization, then oneDNN.
             return F.linear(x, self._kernel_dequantized(), bias)
         return F.linear(x, self.dequantized(x.dtype), bias)

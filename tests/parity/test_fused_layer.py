@@ -20,7 +20,8 @@ from tandem.models.quant import quantize_model
 from tandem.worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(
-    not kernels.available(), reason=f"Tandem CPU kernels unavailable: {kernels.unavailable_reason()}"
+    not kernels.available("decoder_layer_bf16"),
+    reason=f"Tandem CPU kernels unavailable: {kernels.unavailable_reason('decoder_layer_bf16')}"
 )
 
 BLOCK = 4

@@ -111,7 +111,8 @@ def cpu_list_text(cpus: list[int]) -> str:
     return ",".join(str(c) for c in cpus)
 
 
-@pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: {kernels.unavailable_reason()}")
+@pytest.mark.skipif(not kernels.available("bind_omp_threads"),
+                    reason=f"kernels unavailable: {kernels.unavailable_reason('bind_omp_threads')}")
 def test_each_openmp_thread_is_pinned_to_its_core():
     cores = ALLOWED[-2:] if len(ALLOWED) >= 2 else ALLOWED
     out = run_probe(cpu_list_text(cores), per_thread=True)

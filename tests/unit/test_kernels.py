@@ -23,7 +23,8 @@ from tandem.attention import AttentionMetadata, CpuPagedAttention, TorchRefAtten
 from tandem.models.layers import RMSNorm, SiluAndMul, apply_rotary
 
 pytestmark = pytest.mark.skipif(
-    not kernels.available(), reason=f"Tandem CPU kernels unavailable: {kernels.unavailable_reason()}"
+    not kernels.available("linear_bf16"),
+    reason=f"Tandem CPU kernels unavailable: {kernels.unavailable_reason('linear_bf16')}",
 )
 
 

@@ -30,7 +30,8 @@ from tandem.models.quant import (
     quantize_model,
 )
 
-needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"kernels: {kernels.unavailable_reason()}")
+needs_kernels = pytest.mark.skipif(not kernels.available("linear_int8"),
+                                   reason=f"kernels: {kernels.unavailable_reason('linear_int8')}")
 
 
 def test_int8_round_trip_is_within_half_a_step() -> None:
