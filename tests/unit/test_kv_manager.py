@@ -8,7 +8,16 @@ import pytest
 
 from tandem.config import ConfigError
 from tandem.kv_cache.manager import KVCacheManager
-from tandem.kv_cache.storage import bytes_per_block, kv_cache_shape, num_blocks_for_budget, slot_of
+from tandem.config import CacheConfig
+from tandem.kv_cache.storage import (
+    GIB,
+    bytes_per_block,
+    check_kv_memory,
+    kv_cache_shape,
+    num_blocks_for_budget,
+    plan_num_blocks,
+    slot_of,
+)
 from tandem.request import Request
 from tandem.sampling_params import SamplingParams
 
@@ -56,6 +65,23 @@ def test_budget_below_two_blocks_raises():
         num_blocks_for_budget(1.5 * per_block / (1 << 30), 16, 30, 3, 64, 2)
     with pytest.raises(ConfigError, match="kv_cache_gib must be > 0"):
         num_blocks_for_budget(0, 16, 30, 3, 64, 2)
+
+
+def test_plan_num_blocks_shares_the_budget_between_target_and_draft():
+    cache = CacheConfig(block_size=16, kv_cache_gib=1.0)
+    assert plan_num_blocks(cache, 368_640, 0, max_num_seqs=1000, max_model_len=4096) == 2912
+    # a draft of a third of the target's size: each block costs both caches
+    assert plan_num_blocks(cache, 368_640, 122_880, 1000, 4096) == GIB // (368_640 + 122_880) == 2184
+    assert plan_num_blocks(cache, 368_640, 122_880, max_num_seqs=2, max_model_len=64) == 2 * 2 * 4  # useful cap
+    assert plan_num_blocks(CacheConfig(block_size=16, num_blocks=7), 368_640, 122_880, 1, 64) == 7
+    with pytest.raises(ConfigError, match="holds 1 KV block.*target \\+ draft caches"):
+        plan_num_blocks(CacheConfig(kv_cache_gib=600_000 / GIB), 300_000, 200_000, 1, 64)  # target alone: 2
+
+
+def test_check_kv_memory_keeps_ten_percent_free():
+    assert check_kv_memory(9, 100, available_bytes=1000) == 900
+    with pytest.raises(ConfigError, match="the KV cache needs"):
+        check_kv_memory(10, 91, available_bytes=1000)
 
 
 def test_kv_cache_shape_and_slot():
