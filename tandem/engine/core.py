@@ -33,7 +33,9 @@ class KVConnector(Protocol):
 
     The connector writes the KV of a ``WAITING_FOR_REMOTE_KV`` request into the blocks that
     ``Scheduler.add_remote_kv_request`` returned (``ModelRunner.write_kv_blocks``), then reports
-    the request id here.
+    the request id here. If the request is aborted first, its blocks stay held under the lease
+    ``f"aborted-remote:{request_id}"`` until the connector releases it
+    (``KVCacheManager.release``) or it expires; a late report of its id is ignored.
     """
 
     def ready_request_ids(self) -> list[str]:
@@ -161,7 +163,8 @@ class EngineCore:
         if self.kv_connector is None:
             return
         for request_id in self.kv_connector.ready_request_ids():
-            self.scheduler.mark_remote_kv_ready(request_id)
+            if request_id in self.scheduler.remote_kv_tokens:  # NOTE: not if aborted meanwhile
+                self.scheduler.mark_remote_kv_ready(request_id)
 
     def on_idle(self) -> None:
         """Housekeeping for a loop with no work: expires KV leases and, at most once per

@@ -177,6 +177,8 @@ class Scheduler:
                 f"request {rid!r}: the prompt of {num_prompt} tokens needs {num_needed} "
                 f"KV blocks but the whole pool has {self.kv_cache_manager.num_blocks} ({pool_tokens} tokens)"
             )
+        if request.kv_lease_id is not None and request.kv_lease_id in self.kv_cache_manager.leases:
+            raise ValueError(f"request {rid!r}: KV lease {request.kv_lease_id!r} is already in use")
         if num_prompt > self.max_model_len:
             raise ContextLengthExceededError(
                 f"request {rid!r}: prompt of {num_prompt} tokens exceeds max_model_len {self.max_model_len}",
@@ -188,6 +190,9 @@ class Scheduler:
         Changes: frees all their KV blocks at once, drops them from the queues, and reports them in
         the next ``SchedulerOutput.finished_request_ids``. Call between steps (not between
         ``schedule`` and ``update_from_output``, whose blocks the runner is writing).
+        A request still WAITING_FOR_REMOTE_KV has its blocks held under the lease
+        ``f"aborted-remote:{request_id}"`` instead (a transfer may still be writing them): the
+        connector releases it once the transfer stopped, or it expires.
         """
         aborted = {rid for rid in request_ids if rid in self.requests}
         if not aborted:
@@ -195,8 +200,10 @@ class Scheduler:
         for rid in aborted:
             request = self.requests.pop(rid)
             request.status = RequestStatus.FINISHED_ABORTED
-            self.kv_cache_manager.free(request)
-            self.remote_kv_tokens.pop(rid, None)
+            if self.remote_kv_tokens.pop(rid, None) is not None:
+                self.kv_cache_manager.hold(request, f"aborted-remote:{rid}")
+            else:
+                self.kv_cache_manager.free(request)
         self.waiting.remove_ids(aborted)
         self.running = [r for r in self.running if r.request_id not in aborted]
         self._finished_ids |= aborted

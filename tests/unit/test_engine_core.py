@@ -115,3 +115,17 @@ def test_connector_reports_remote_kv_ready():
     outputs = core.step()
     assert [(o.request_id, o.new_token_ids) for o in outputs] == [("r", [7])]
     assert core.stats().num_steps == 1
+
+
+def test_connector_report_for_an_aborted_request_is_ignored():
+    clock, connector = FakeClock(), ListConnector()
+    core = make_core(clock, connector)
+    core.scheduler.add_remote_kv_request(make_request("gone", 10), 8)
+    core.abort_requests(["gone"])
+    connector.ready.append("gone")
+    assert core.step() == []
+    kv = core.scheduler.kv_cache_manager
+    assert kv.num_free_blocks == 14  # held for the transfer that may still write them
+    clock.now += 30.0
+    core.on_idle()
+    assert kv.num_free_blocks == 16

@@ -168,9 +168,18 @@ def test_remote_kv_request_errors_and_abort():
     assert set(sched.requests) == {"c"} and sched.kv_cache_manager.num_free_blocks == 2
     with pytest.raises(KeyError):
         sched.mark_remote_kv_ready("nobody")
-    sched.abort_requests(["c"])
-    assert sched.kv_cache_manager.num_free_blocks == 4 and sched.remote_kv_tokens == {}
+    sched.abort_requests(["c"])  # a transfer may still be writing its blocks: they stay held
+    kv = sched.kv_cache_manager
+    assert kv.num_free_blocks == 2 and sched.remote_kv_tokens == {} and sched.requests == {}
     sched.check()
+    kv.release("aborted-remote:c")
+    assert kv.num_free_blocks == 4
+    sched.check()
+    leased = make_request("d", 5)
+    leased.kv_lease_id = "L"
+    kv.hold(make_request("e", 3), "L")
+    with pytest.raises(ValueError, match="KV lease 'L' is already in use"):
+        sched.add_request(leased)
 
 
 # ---- integrity checks ----

@@ -6,9 +6,8 @@ import random
 
 import pytest
 
-from tandem.config import ConfigError
+from tandem.config import CacheConfig, ConfigError
 from tandem.kv_cache.manager import KVCacheManager
-from tandem.config import CacheConfig
 from tandem.kv_cache.storage import (
     GIB,
     bytes_per_block,
