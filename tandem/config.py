@@ -10,6 +10,7 @@ QUANTIZATION_METHODS = ("int8", "int4")
 # Waiting engine requests beyond which the server answers 429: a queue this deep already waits minutes on
 # a CPU, and a bound keeps memory and latency finite under overload.
 DEFAULT_MAX_QUEUE_LEN = 1024
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def _is_int(value: object) -> bool:
@@ -74,12 +75,15 @@ class SchedulerConfig:
     ``long_prefill_token_threshold`` caps one request's prefill chunk (tokens); 0 = budget only.
     ``max_queue_len`` bounds the engine requests waiting in the server (the core's waiting queue plus
     those being tokenized or sent); beyond it the server answers 429. 0 = unbounded.
+    ``policy`` orders admission: "fcfs" (arrival order) or "priority" (``SamplingParams.priority``,
+    lower first, ties by arrival; vLLM semantics).
     """
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     long_prefill_token_threshold: int = 0
     max_queue_len: int = DEFAULT_MAX_QUEUE_LEN
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -90,6 +94,8 @@ class SchedulerConfig:
             raise ConfigError("long_prefill_token_threshold must be >= 0")
         if self.max_queue_len < 0:
             raise ConfigError("max_queue_len must be >= 0")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
 
 
 @dataclass(frozen=True)

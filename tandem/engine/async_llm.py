@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from tandem.config import EngineConfig
 from tandem.engine.core_client import EngineCoreClient
-from tandem.engine.core_proc import AddResult, CoreFailed, CoreStats, StepOutputs
+from tandem.engine.core_proc import AddResult, CoreFailed, CoreStats, StepFailed, StepOutputs
 from tandem.engine.loading import Frontend, load_chat_template, load_frontend
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.request_log import EngineMetrics, RequestLog
@@ -246,7 +246,7 @@ class AsyncLLM:
         """
         self.check_available()
         if request_id in self._parents:
-            raise DuplicateRequestError(request_id)
+            raise DuplicateRequestError(request_id, f"request id {request_id!r} is already in use")
         requests = self.processor.make_requests(request_id, prompt_token_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         state = PromptState(request_id, prompt, prompt_token_ids, params, output_kind,
@@ -308,6 +308,8 @@ class AsyncLLM:
                     await self._on_step(client, message)
                 elif isinstance(message, AddResult):
                     self._on_add_result(message)
+                elif isinstance(message, StepFailed):
+                    self._on_step_failed(message)
                 elif isinstance(message, CoreFailed):
                     self.supervisor.core_died(client, f"the engine core failed: {message.message.splitlines()[0]}")
                     return
@@ -322,8 +324,9 @@ class AsyncLLM:
         if state is None or state.accepted.done():
             return  # NOTE: the caller gave up while waiting; its abort message follows in order.
         if result.status != 200:
-            error = DuplicateRequestError(result.parent_id) if result.code == "duplicate_request_id" \
-                else EngineRequestError(result.status, result.message, QUEUE_FULL_RETRY_AFTER_S)
+            error = DuplicateRequestError(result.parent_id, f"request id {result.parent_id!r} is already in use") \
+                if result.code == "duplicate_request_id" \
+                else EngineRequestError(result.status, result.message, QUEUE_FULL_RETRY_AFTER_S, result.code or None)
             state.accepted.set_exception(error)
             return
         n = len(state.child_ids)
@@ -358,6 +361,16 @@ class AsyncLLM:
                 state.done = True
                 self._parents.pop(state.request_id, None)
                 self.log.finished(state)
+
+    def _on_step_failed(self, message: StepFailed) -> None:
+        """Ends the prompts of a failed (rolled-back) step with a 500; the core serves on."""
+        error = EngineRequestError(500, f"the engine step failed: {message.message.splitlines()[0]}")
+        for parent_id in {self._children[c].parent.request_id for c in message.request_ids if c in self._children}:
+            state = self._parents[parent_id]
+            self.client.abort_requests(state.live_child_ids)  # NOTE: its other children may still run
+            state.collector.put(error)
+            self._drop(state)
+            self.log.aborted(state)
 
     # ---- death and shutdown ----
     def _record_restart(self) -> None:

@@ -23,7 +23,7 @@ import msgspec
 import zmq
 
 from tandem.config import EngineConfig
-from tandem.errors import DuplicateRequestError
+from tandem.errors import DuplicateRequestError, EngineStepError
 from tandem.outputs import EngineCoreOutput
 from tandem.request import Request
 from tandem.sampling_params import SamplingParams
@@ -85,7 +85,7 @@ class AddResult(msgspec.Struct, tag="add_result"):
 
 
 class CoreStats(msgspec.Struct):
-    """Decoded view of ``EngineStats`` (unknown fields are ignored, so the core may add more)."""
+    """Decoded view of ``SchedulerStats`` (unknown fields are ignored, so the core may add more)."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -117,7 +117,15 @@ class CoreFailed(msgspec.Struct, tag="failed"):
     message: str
 
 
-OutputMessage = Ready | AddResult | StepOutputs | CoreFailed
+class StepFailed(msgspec.Struct, tag="step_failed"):
+    """A step raised and was rolled back (``EngineStepError``): these engine requests were aborted;
+    the core keeps serving the others. ``message``: the cause's type and text."""
+
+    request_ids: list[str]
+    message: str
+
+
+OutputMessage = Ready | AddResult | StepOutputs | CoreFailed | StepFailed
 
 
 def make_encoder() -> msgspec.msgpack.Encoder:
@@ -162,8 +170,10 @@ class EngineCoreProc:
                 return
             if self.core.has_unfinished_requests():
                 self.step()
-            elif handled:
-                self.send(StepOutputs([], self.stats()))
+            else:
+                self.core.on_idle()  # lease expiry and a rate-limited integrity check
+                if handled:
+                    self.send(StepOutputs([], self.stats()))
 
     def drain_inputs(self, timeout_ms: int) -> tuple[bool, bool]:
         """Handles every queued input message. Returns (handled any, shutdown requested)."""
@@ -225,7 +235,14 @@ class EngineCoreProc:
     def step(self) -> None:
         """One engine step; sends its outputs with the tokens it computed and new queue times."""
         before = {rid: r.num_computed_tokens for rid, r in self.live.items()}
-        outputs = self.core.step()
+        try:
+            outputs = self.core.step()
+        except EngineStepError as e:
+            # NOTE: the core rolled the step back and logged it; only its requests fail.
+            self.abort(e.request_ids)
+            cause = e.__cause__ if e.__cause__ is not None else e
+            self.send(StepFailed(list(e.request_ids), f"{type(cause).__name__}: {cause}"))
+            return
         num_tokens = sum(max(0, r.num_computed_tokens - before[rid]) for rid, r in self.live.items())
         queue_times = {}
         for rid in list(self.unscheduled):

@@ -40,12 +40,12 @@ def check_context(max_model_len: int, num_prompt_tokens: int, max_tokens: int | 
     if num_prompt_tokens >= max_model_len:
         raise ContextLengthExceededError(context_length_message(
             max_model_len, f"you requested {num_prompt_tokens} tokens in the {param}, which leaves no room for "
-            f"the completion. Please reduce the length of the {param}."), param)
+            f"the completion. Please reduce the length of the {param}."), num_prompt_tokens, max_model_len, param)
     if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
         raise ContextLengthExceededError(context_length_message(
             max_model_len, f"you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
             f"{param}, {max_tokens} in the completion). Please reduce the length of the {param} or completion."),
-            param)
+            num_prompt_tokens + max_tokens, max_model_len, param)
 
 # Normalizers and pre-tokenizers that never delete characters; the value bounds how much a
 # normalizer can shrink the text (NFC/NFKC compose at most 4 code points into one, e.g. U+1F82).
@@ -159,7 +159,7 @@ class InputProcessor:
             raise ContextLengthExceededError(context_length_message(
                 self.max_model_len, f"the {param} {verb} {len(text)} characters, more than the "
                 f"{self.max_prompt_chars} that {self.max_model_len} tokens can hold with this tokenizer. "
-                f"Please reduce the length of the {param}."), param)
+                f"Please reduce the length of the {param}."), len(text), self.max_model_len, param)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, token ids); adds the tokenizer's BOS like transformers does.

@@ -92,7 +92,9 @@ def from_engine_error(e: EngineRequestError | EngineDeadError) -> APIError:
         return engine_unavailable(str(e), e.retry_after)
     if e.status == 429:
         return queue_full(e.message, e.retry_after)
-    return bad_request(e.message)
+    if e.status >= 500:
+        return APIError(e.status, e.message, "internal_error", None, "engine_step_failed")
+    return bad_request(e.message, None, e.code)
 
 
 _SCALAR_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})

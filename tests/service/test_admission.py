@@ -174,3 +174,33 @@ def test_a_request_id_in_flight_is_a_duplicate_400(frontend):
     assert api.status == 400
     assert api.body() == {"error": {"message": "request id 'r1' is already in use", "type": "invalid_request_error",
                                     "param": "request_id", "code": "duplicate_request_id"}}
+
+
+def test_a_failed_step_ends_only_its_requests_with_a_500(frontend):
+    from tandem.engine.core_proc import StepFailed
+
+    client = FakeClient()
+    engine = AsyncLLM(frontend, client, FakeMetrics())
+
+    async def run():
+        await engine.start()
+        tasks = [asyncio.create_task(engine.add_request(rid, None, [1, 403], SamplingParams(max_tokens=2)))
+                 for rid in ("hit", "other")]
+        await asyncio.sleep(0)
+        for rid in ("hit", "other"):
+            client.outputs.put_nowait(AddResult(rid, 200))
+        hit, other = await asyncio.gather(*tasks)
+        client.outputs.put_nowait(StepFailed(["hit"], "RuntimeError: boom"))
+        with pytest.raises(EngineRequestError) as info:
+            async for _ in hit:
+                pass
+        client.outputs.put_nowait(StepOutputs([EngineCoreOutput("other", [407], finish_reason="length")], CoreStats()))
+        outs = [out async for out in other]
+        await engine.shutdown()
+        return info.value, outs
+
+    error, outs = asyncio.run(run())
+    assert errors.from_engine_error(error).body() == {"error": {
+        "message": "the engine step failed: RuntimeError: boom", "type": "internal_error", "param": None,
+        "code": "engine_step_failed"}}
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == [407]

@@ -73,3 +73,39 @@ def test_abort_on_a_full_queue_is_kept_and_sent_once_the_core_reads(client, tmp_
     messages = asyncio.run(run())
     assert messages == [AbortRequests(["a", "b", "c"])]
     assert client.num_pending_aborts == 0
+
+
+def test_core_proc_reports_a_failed_step_and_keeps_serving(tmp_path):
+    from tandem.engine.core_proc import EngineCoreProc, StepFailed, StepOutputs
+    from tandem.errors import EngineStepError
+
+    class FailingCore:
+        def __init__(self) -> None:
+            self.aborted: list[str] = []
+
+        def step(self):
+            try:
+                raise RuntimeError("boom")
+            except RuntimeError as e:
+                raise EngineStepError(["a"]) from e
+
+        def abort_requests(self, ids):
+            self.aborted.extend(ids)
+
+    class Outputs:
+        def __init__(self) -> None:
+            self.sent: list = []
+
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PULL)
+    try:
+        proc = EngineCoreProc(FailingCore(), inputs, Outputs(), 0, 0)
+        proc.send = proc.outputs.sent.append
+        proc.live = {"a": request("a")}
+        proc.step()
+        assert proc.outputs.sent == [StepFailed(["a"], "RuntimeError: boom")]
+        assert proc.core.aborted == ["a"] and proc.live == {}
+        assert not any(isinstance(m, StepOutputs) for m in proc.outputs.sent)
+    finally:
+        inputs.close(linger=0)
+        ctx.term()
