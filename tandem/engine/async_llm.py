@@ -315,9 +315,11 @@ class AsyncLLM:
                     return
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # NOTE: a bug here must not leave clients hanging: fail them all.
+        except Exception as e:
+            # NOTE: a bug here must not leave anyone hanging: the core is treated as dead (its requests
+            # fail, it is restarted), since no one reads its outputs any more.
             logger.exception("output loop failed")
-            self._fail_in_flight(EngineDeadError(f"the engine front end failed: {e}"))
+            self.supervisor.core_died(client, f"the engine front end failed: {type(e).__name__}: {e}")
 
     def _on_add_result(self, result: AddResult) -> None:
         state = self._parents.get(result.parent_id)

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from tandem.engine.async_llm import AsyncLLM
 from tandem.engine.core_proc import AddResult, CoreStats, StepOutputs
 from tandem.engine.loading import Frontend
-from tandem.errors import DuplicateRequestError, EngineRequestError
+from tandem.errors import DuplicateRequestError, EngineDeadError, EngineRequestError
 from tandem.models.hf_config import load_hf_config
 from tandem.outputs import EngineCoreOutput
 from tandem.sampling_params import SamplingParams
@@ -204,3 +204,32 @@ def test_a_failed_step_ends_only_its_requests_with_a_500(frontend):
         "message": "the engine step failed: RuntimeError: boom", "type": "internal_error", "param": None,
         "code": "engine_step_failed"}}
     assert outs[-1].finished and outs[-1].outputs[0].token_ids == [407]
+
+
+def test_a_bug_in_the_output_loop_fails_requests_instead_of_hanging(frontend):
+    client = FakeClient()
+    engine = AsyncLLM(frontend, client, FakeMetrics())
+
+    def broken(outputs):
+        raise KeyError("bug")
+
+    engine.output_processor.process_outputs = broken
+
+    async def run():
+        await engine.start()
+        task = asyncio.create_task(engine.add_request("r", None, [1, 403], SamplingParams(max_tokens=2)))
+        await asyncio.sleep(0)
+        client.outputs.put_nowait(AddResult("r", 200))
+        stream = await task
+        client.outputs.put_nowait(StepOutputs([EngineCoreOutput("r", [407])], CoreStats()))
+        with pytest.raises(EngineDeadError) as info:
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError) as later:
+            engine.check_available()
+        await engine.shutdown()
+        return str(info.value), str(later.value)
+
+    first, later = asyncio.run(run())
+    assert first == "the engine front end failed: KeyError: 'bug'"
+    assert later == "the engine front end failed: KeyError: 'bug'; it is not restarted (restarts are off)"
