@@ -43,7 +43,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# This checkout's tandem (not whichever one is pip-installed), and the sibling benchmark modules.
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 import peers  # noqa: E402
 from checkpoints import GGUF_TYPES, SHAPES, make_checkpoint, weight_bytes, write_gguf  # noqa: E402
 from peers import PeerUnavailable  # noqa: E402
@@ -289,8 +290,8 @@ def format_case(res: dict) -> str:
     lines = [f"\n**{res['title']}** ({res['weights']}), tokens/s, median", ""]
     if names:
         metrics = list(dict.fromkeys(m for n in names for m in res["results"][n]))
-        lines += ["| metric | " + " | ".join(names) + " | " + " | ".join(f"{names[0]} / {n}" for n in names[1:]) + " |",
-                  "|---" * (2 * len(names)) + "|"]
+        columns = names + [f"{names[0]} / {n}" for n in names[1:]]
+        lines += ["| metric | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
         for m in metrics:
             med = {n: statistics.median(res["results"][n][m]) if m in res["results"][n] else None for n in names}
             cells = [f"{med[n]:.1f}" if med[n] else "-" for n in names]
@@ -301,7 +302,7 @@ def format_case(res: dict) -> str:
         lines.append(f"\n{name}: {reason}")
     if names and "decode b1" in res["results"][names[0]]:
         b1 = statistics.median(res["results"][names[0]]["decode b1"])
-        lines.append(f"\n{names[0]} batch-1 decode reads weights at {res['gb'] * b1:.1f} GB/s.")
+        lines.append(f"\n{names[0]} batch-1 decode reads weights at {res['gb'] * b1:.2f} GB/s.")
     if res["loads"]:
         lines.append("load average (1 min) before -> after each repeat: "
                      + ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in res["loads"]))

@@ -17,6 +17,7 @@ import os
 import platform
 import subprocess
 import sys
+import types
 from collections import deque
 from pathlib import Path
 
@@ -80,8 +81,9 @@ def has_avx512_bf16(flags: set[str] | None = None) -> bool:
 def kernel_backend() -> str:
     """The Tandem kernel backend in use, as ``tandem.kernels`` reports it.
 
-    NOTE: a kernel registry is being added to ``tandem.kernels``; until then (no ``backend`` /
-    ``active_backend`` / ``selected_backend`` there) this is "avx512_bf16 (compiled kernels)" when
+    NOTE: a kernel registry is being added to ``tandem.kernels``; until then (none of ``backend`` /
+    ``active_backend`` / ``selected_backend`` / ``selected_variant`` there, as a value or a function
+    without arguments; calling it may build the kernels) this is "avx512_bf16 (compiled kernels)" when
     ``tandem.kernels.build.unsupported_reason()`` is None and "torch (<that reason>)" otherwise. It
     does not build the kernels.
     """
@@ -90,15 +92,18 @@ def kernel_backend() -> str:
         from tandem.kernels.build import unsupported_reason
     except Exception as e:  # noqa: BLE001
         return f"unknown (import tandem.kernels failed: {e})"
-    for attr in ("backend", "active_backend", "selected_backend", "backend_name"):
+    for attr in ("backend", "active_backend", "selected_backend", "backend_name", "selected_variant"):
         value = getattr(kernels, attr, None)
-        if value is None:
+        if value is None or isinstance(value, types.ModuleType):
             continue
         try:
             value = value() if callable(value) else value
+        except TypeError:  # needs arguments: not the query we are looking for
+            continue
         except Exception as e:  # noqa: BLE001
             return f"unknown (tandem.kernels.{attr}() failed: {e})"
-        return str(getattr(value, "name", value))
+        if value is not None:
+            return f"{getattr(value, 'name', value)} (tandem.kernels.{attr})"
     reason = unsupported_reason()
     return "avx512_bf16 (compiled kernels)" if reason is None else f"torch ({reason})"
 
