@@ -74,6 +74,9 @@ def format_rate(result: dict) -> str:
     lines += ["", f"measured fp32 matmul rate: {result['gflops']:.1f} GFLOP/s "
               f"(70%: {0.7 * result['gflops']:.1f}, 75%: {0.75 * result['gflops']:.1f}; "
               f"load average {result['load_average']:.2f})"]
+    if result["load_average"] > len(os.sched_getaffinity(0)) * 0.75:
+        lines.append("WARNING: the machine is busy (load average near or above its core count): "
+                     "this is not the CPU's rate; measure on a quiet machine")
     return "\n".join(lines)
 
 
