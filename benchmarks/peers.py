@@ -156,8 +156,8 @@ def ensure_venv(peer: str, venv: Path | None = None) -> Path:
         return python
     log = venv.with_name(venv.name + "-install.log")
     venv.parent.mkdir(parents=True, exist_ok=True)
-    print(f"creating {venv}: pip install {' '.join(requirements)} (log: {log}; llama.cpp compiles for minutes)...",
-          flush=True)
+    print(f"creating {venv}: pip install {' '.join(requirements)} (log: {log}; takes minutes: llama.cpp "
+          "compiles, vLLM is 3.5 GB)...", flush=True)
     env = {**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 2), **pip_env}
     with open(log, "a") as out:
         for cmd in ([sys.executable, "-m", "venv", str(venv)],
