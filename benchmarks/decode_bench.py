@@ -294,7 +294,7 @@ def format_case(res: dict) -> str:
         lines += ["| metric | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
         for m in metrics:
             med = {n: statistics.median(res["results"][n][m]) if m in res["results"][n] else None for n in names}
-            cells = [f"{med[n]:.1f}" if med[n] else "-" for n in names]
+            cells = [(f"{med[n]:.1f}" if med[n] >= 10 else f"{med[n]:.2f}") if med[n] else "-" for n in names]
             first = med[names[0]]
             ratios = [f"{first / med[n]:.2f}x" if first and med[n] else "-" for n in names[1:]]
             lines.append(f"| {m} | " + " | ".join(cells + ratios) + " |")
