@@ -33,11 +33,15 @@ inline __m256 load_w(const uint16_t* p) {
 inline __m256 load_w(const float* p) { return _mm256_loadu_ps(p); }
 
 // acc[m * RB + r] += x[m, k] * w[r, k] for k in [0, n) (n a multiple of 8). W: bf16 weights (widened
-// here) or an fp32 block. Always inlined, so the accumulators stay in registers.
+// here) or an fp32 block. Always inlined, so the accumulators stay in registers. pf (or nullptr): RB
+// rows (stride ldw) to prefetch, one cache line per row per 32 columns.
 template <int MB, int RB, typename W>
 __attribute__((always_inline)) inline void accumulate(const float* x, int64_t ldx, const W* w, int64_t ldw, int64_t n,
-                                                      __m256* acc) {
+                                                      __m256* acc, const W* pf = nullptr) {
   for (int64_t k = 0; k < n; k += 8) {
+    if (pf != nullptr && (k & 31) == 0)
+#pragma GCC unroll 8
+      for (int r = 0; r < RB; ++r) _mm_prefetch(reinterpret_cast<const char*>(pf + r * ldw + k), _MM_HINT_T0);
     __m256 xv[MB];
 #pragma GCC unroll 4
     for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + m * ldx + k);
@@ -51,15 +55,17 @@ __attribute__((always_inline)) inline void accumulate(const float* x, int64_t ld
 }
 
 // MB tokens x RB rows straight from the bf16 weights (K columns; x32 zero-padded to a multiple of 8,
-// the weights' tail loaded as zeros), reduced and stored.
+// the weights' tail loaded as zeros), reduced and stored. pf: the next tile's rows (or nullptr).
+// NOTE: rows of a few KB are short streams for the hardware prefetcher (measured 5 GB/s at K = 896
+// against 9 GB/s at K = 4864 on one loaded Zen 3 core), so the next tile is requested by hand.
 template <int MB, int RB>
 void direct_tile(const float* x32, int64_t ldx, const uint16_t* w, int64_t K, int64_t m0, int64_t row0,
-                 const Output& out) {
+                 const Output& out, const uint16_t* pf = nullptr) {
   __m256 acc[MB * RB];
 #pragma GCC unroll 16
   for (int i = 0; i < MB * RB; ++i) acc[i] = _mm256_setzero_ps();
   const int64_t full = K / 8 * 8;
-  accumulate<MB, RB>(x32, ldx, w, K, full, acc);
+  accumulate<MB, RB>(x32, ldx, w, K, full, acc, pf);
   if (full < K) {
     alignas(32) float tail[RB][8];
     for (int r = 0; r < RB; ++r)
@@ -75,7 +81,8 @@ template <int MB>
 void direct_rows(const float* x32, int64_t ldx, const uint16_t* w, int64_t N, int64_t K, int64_t m0,
                  const Output& out, int64_t begin, int64_t end) {
   int64_t row = begin;
-  for (; row + 4 <= end; row += 4) direct_tile<MB, 4>(x32, ldx, w + row * K, K, m0, row, out);
+  for (; row + 4 <= end; row += 4)
+    direct_tile<MB, 4>(x32, ldx, w + row * K, K, m0, row, out, row + 8 <= end ? w + (row + 4) * K : nullptr);
   for (; row < end; ++row) direct_tile<MB, 1>(x32, ldx, w + row * K, K, m0, row, out);
 }
 
