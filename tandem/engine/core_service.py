@@ -145,6 +145,8 @@ class EngineCoreService(EngineCoreProc):
             else:
                 self.reply(identity, refused)
         elif not self.gate.seen(identity):
+            if isinstance(message, Goodbye):
+                return False  # NOTE: a dropped peer leaving late: nothing to refuse
             self.reply(identity, self.gate.refuse(identity, REFUSED_UNAUTHENTICATED, address))
         elif isinstance(message, Goodbye):
             self.drop_peer("it said goodbye")

@@ -62,6 +62,7 @@ class RemoteEngineCoreClient(EngineCoreClient):
         self._last_seen = time.monotonic()
         self._monitor: zmq.asyncio.Socket | None = None
         self._watchdog: asyncio.Task | None = None
+        self._admitted = False  # NOTE: only an admitted front end says Goodbye (others would be refused again)
 
     @classmethod
     def connect(cls, address: str, secret: bytes | None, timeout_s: float = CONNECT_TIMEOUT_S,
@@ -101,6 +102,7 @@ class RemoteEngineCoreClient(EngineCoreClient):
             raise EngineCoreStartError(f"unexpected answer to Proof from {self.address}: {ready!r}")
         self.max_model_len, self.num_blocks, self.block_size = ready.max_model_len, ready.num_blocks, ready.block_size
         self.model, self.vocab_size = ready.model, ready.vocab_size
+        self._admitted = True
         logger.info("connected to the engine core at %s (%s): max_model_len %d, %d KV blocks", self.address,
                     self.model, self.max_model_len, self.num_blocks)
 
@@ -146,7 +148,7 @@ class RemoteEngineCoreClient(EngineCoreClient):
                 if event["event"] == zmq.EVENT_DISCONNECTED:
                     self.lose(f"the connection to the engine core at {self.address} was lost")
             elif time.monotonic() - self._last_seen > self.heartbeat_timeout_s:
-                self.lose(f"the engine core at {self.address} sent nothing for {self.heartbeat_timeout_s:.0f} s")
+                self.lose(f"the engine core at {self.address} sent nothing for {self.heartbeat_timeout_s:g} s")
             else:
                 self._send_heartbeat()
         self._watchdog = None  # NOTE: done: detach must not cancel the task that runs on_death
@@ -189,7 +191,7 @@ class RemoteEngineCoreClient(EngineCoreClient):
 
     def detach(self) -> None:
         """Stops the watchdog, says ``Goodbye`` and closes the socket (call on the loop). Idempotent."""
-        if self.outputs is not None and not self.loss_reason:
+        if self.outputs is not None and self._admitted and not self.loss_reason:
             try:
                 self._send(Goodbye())
             except zmq.ZMQError:
@@ -203,7 +205,7 @@ class RemoteEngineCoreClient(EngineCoreClient):
             return
         self._unwatch()
         if not self.inputs.closed:
-            if not self.loss_reason and self.outputs is None:
+            if self._admitted and not self.loss_reason and self.outputs is None:
                 try:
                     self._send(Goodbye())
                 except zmq.ZMQError:
