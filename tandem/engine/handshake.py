@@ -108,12 +108,11 @@ class PeerGate:
         return Refused(reason)
 
     def on_hello(self, identity: bytes, hello: Hello, address: str = "") -> Challenge | Refused:
-        """Starts a handshake: a Challenge with a fresh nonce, or Refused (busy, other protocol)."""
+        """Starts a handshake: a Challenge with a fresh nonce, or Refused (another protocol). Whether
+        another front end is connected is only told to one that proved the secret (``on_proof``)."""
         if hello.protocol != PROTOCOL_VERSION:
             return self.refuse(identity, f"protocol {hello.protocol} is not supported (this core speaks "
                                          f"{PROTOCOL_VERSION})", address)
-        if self.peer is not None and self.peer != identity:
-            return self.refuse(identity, REFUSED_BUSY, address)
         self._forget_stale()
         while len(self._pending) >= MAX_PENDING:
             self._pending.pop(next(iter(self._pending)))

@@ -64,14 +64,15 @@ def test_one_front_end_at_a_time_until_it_is_released_or_silent():
     clock = Clock()
     gate = PeerGate(SECRET, clock, peer_timeout_s=5.0)
     assert gate.on_proof(b"a", Proof(sign(SECRET, challenge(gate, b"a")))) is None
-    assert gate.on_hello(b"b", Hello()) == Refused(REFUSED_BUSY)
+    assert gate.on_proof(b"b", Proof(sign(b"wrong", challenge(gate, b"b")))) == Refused(REFUSED_SECRET)
+    assert gate.on_proof(b"b", Proof(sign(SECRET, challenge(gate, b"b")))) == Refused(REFUSED_BUSY)
     clock.now += 4.0
     assert gate.seen(b"a") and not gate.expired()
     clock.now += 5.1
     assert gate.expired()
     gate.release()
     assert gate.on_proof(b"b", Proof(sign(SECRET, challenge(gate, b"b")))) is None and gate.peer == b"b"
-    assert gate.num_refused == 1
+    assert gate.num_refused == 2
 
 
 def test_a_gate_without_a_secret_admits_any_proof_and_other_protocols_are_refused():
