@@ -75,15 +75,20 @@ class Server:
         raise LookupError("no engine-core process")
 
     def stop(self, timeout_s: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
+        return stop_process(self.proc, self._log, timeout_s)
+
+
+def stop_process(proc: subprocess.Popen, log, timeout_s: float) -> int:
+    """SIGTERM, then SIGKILL after ``timeout_s``; closes ``log``. Returns the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log.close()
+    return proc.returncode
 
 
 def metric_samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -141,12 +146,4 @@ class EngineService:
         return self.log_path.read_text()
 
     def stop(self, timeout_s: float = 15.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
+        return stop_process(self.proc, self._log, timeout_s)
