@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 _DTYPES = ("bfloat16", "float32")
 QUANTIZATION_METHODS = ("int8", "int4")
@@ -203,3 +204,92 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.cpu_bind, str) or not self.cpu_bind.strip():
             raise ConfigError(f"cpu_bind must be 'auto', 'none' or a core list like '0-3,6', got {self.cpu_bind!r}")
+
+
+ENGINE_SECRET_ENV = "TANDEM_ENGINE_SECRET"  # the engine secret when no --engine-secret-file is given
+
+
+def parse_tcp_address(address: str) -> tuple[str, int]:
+    """``tcp://host:port`` (IPv6 hosts in brackets) -> (host, port).
+
+    Raises:
+        ConfigError: another scheme, no host, or a port outside 1-65535.
+    """
+    if not isinstance(address, str) or not address.startswith("tcp://"):
+        raise ConfigError(f"an engine address must look like tcp://HOST:PORT, got {address!r}")
+    host, sep, port = address[len("tcp://"):].rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"an engine address must look like tcp://HOST:PORT with a port 1-65535, got {address!r}")
+    return host, int(port)
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for ``localhost`` and loopback IP literals (127.0.0.0/8, ::1); False for names, ``*``,
+    ``0.0.0.0`` and every other address."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Where the engine core runs and who may talk to it, one field per flag.
+
+    ``engine_address``: ``tandem serve`` connects to the engine core at this ``tcp://host:port``
+    instead of starting one (None: a local core process). ``listen_address``: ``tandem engine``
+    serves one engine core on this ``tcp://host:port``. ``engine_secret_file``: a file holding the
+    shared secret (surrounding whitespace stripped); without it the secret comes from the
+    ``TANDEM_ENGINE_SECRET`` environment variable, if set. The secret itself is never stored here
+    (``secret()`` reads it). ``data_parallel_size``: engine cores behind one server; only 1 for now.
+
+    Raises (on creation):
+        ConfigError: a malformed address, an unreadable or empty secret file, a non-loopback
+            ``listen_address`` without a secret, or ``data_parallel_size`` other than 1.
+    """
+
+    engine_address: str | None = None
+    listen_address: str | None = None
+    engine_secret_file: str | None = None
+    data_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.data_parallel_size) or self.data_parallel_size < 1:
+            raise ConfigError(f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}")
+        if self.data_parallel_size > 1:
+            raise ConfigError(f"data_parallel_size {self.data_parallel_size} is not supported yet (only 1)")
+        if self.engine_address is not None:
+            parse_tcp_address(self.engine_address)
+        secret = self.secret()
+        if self.listen_address is not None:
+            host, _ = parse_tcp_address(self.listen_address)
+            if not is_loopback_host(host) and secret is None:
+                raise ConfigError(
+                    f"refusing to listen on {self.listen_address} without a shared secret: anyone who can reach "
+                    f"that address could use the engine; pass --engine-secret-file FILE (or set {ENGINE_SECRET_ENV}), "
+                    "or listen on tcp://127.0.0.1:PORT")
+
+    def secret(self) -> bytes | None:
+        """The shared secret (from ``engine_secret_file``, else ``$TANDEM_ENGINE_SECRET``), or None.
+
+        Raises:
+            ConfigError: the file cannot be read or holds only whitespace.
+        """
+        import os
+
+        if self.engine_secret_file is not None:
+            try:
+                text = Path(self.engine_secret_file).read_bytes().strip()
+            except OSError as e:
+                raise ConfigError(f"cannot read the engine secret file {self.engine_secret_file}: "
+                                  f"{e.strerror or e}") from None
+            if not text:
+                raise ConfigError(f"the engine secret file {self.engine_secret_file} is empty")
+            return text
+        value = os.environ.get(ENGINE_SECRET_ENV, "").strip()
+        return value.encode() if value else None

@@ -55,13 +55,15 @@ class AsyncLLM:
         start_core: starts a replacement core (blocking); None = a dead core is not restarted.
         guard: the crash-loop rule for restarts (default: 3 deaths within 60 s end them).
         instance_id: this server's id in ``/load`` and the metrics (default: a random uuid).
+        supervisor_cls: ``CoreSupervisor`` (restarts a local core) or ``RemoteCoreSupervisor``
+            (reconnects to a core served by ``tandem engine``; ``start_core`` then reconnects).
     """
 
     def __init__(
         self, frontend: Frontend, client: EngineCoreClient, metrics: EngineMetrics | None = None,
         log_requests: bool = False, max_queue_len: int = 0,
         start_core: Callable[[], EngineCoreClient] | None = None, guard: CrashLoopGuard | None = None,
-        instance_id: str | None = None,
+        instance_id: str | None = None, supervisor_cls: type[CoreSupervisor] = CoreSupervisor,
     ) -> None:
         self.frontend = frontend
         self.tokenizer = frontend.tokenizer
@@ -78,7 +80,7 @@ class AsyncLLM:
         # event loop (HF tokenizers release the GIL); one worker keeps calls serial and in order.
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenizer")
         self._detok_thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-detokenizer")
-        self.supervisor = CoreSupervisor(client, start_core, guard or CrashLoopGuard(), self._fail_in_flight,
+        self.supervisor = supervisor_cls(client, start_core, guard or CrashLoopGuard(), self._fail_in_flight,
                                          self._start_output_loop, self._record_restart)
         self.last_stats = CoreStats()
         self._parents: dict[str, PromptState] = {}

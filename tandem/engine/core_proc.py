@@ -65,11 +65,17 @@ InputMessage = AddRequests | AbortRequests | Shutdown
 
 # ---- core -> front end ----
 class Ready(msgspec.Struct, tag="ready"):
-    """The core loaded its model: context length and KV pool (``num_blocks`` of ``block_size`` tokens)."""
+    """The core loaded its model: context length and KV pool (``num_blocks`` of ``block_size`` tokens).
+
+    A networked core (``core_service``) also names its model (the folder's name) and vocabulary size,
+    so a front end can check that its tokenizer belongs to the same model.
+    """
 
     max_model_len: int
     num_blocks: int
     block_size: int = 0
+    model: str = ""
+    vocab_size: int = 0
 
 
 class AddResult(msgspec.Struct, tag="add_result"):
@@ -182,17 +188,30 @@ class EngineCoreProc:
             return False, False
         while True:
             try:
-                frame = self.inputs.recv(zmq.NOBLOCK, copy=False)
+                reached, stop = self.receive()
             except zmq.Again:
                 return handled, False
-            handled = True
-            message = self.decoder.decode(frame.buffer)
-            if isinstance(message, Shutdown):
+            handled = handled or reached
+            if stop:
                 return True, True
-            if isinstance(message, AbortRequests):
-                self.abort(message.request_ids)
-            else:
-                self.send(self.add(message))
+
+    def receive(self) -> tuple[bool, bool]:
+        """Reads and applies one queued message. Returns (it reached the engine, shutdown requested).
+
+        Raises: zmq.Again when none is queued."""
+        frame = self.inputs.recv(zmq.NOBLOCK, copy=False)
+        return True, self.handle(self.decoder.decode(frame.buffer))
+
+    def handle(self, message: InputMessage) -> bool:
+        """Applies one input message (an add is answered with its ``AddResult``). Returns True on
+        ``Shutdown``."""
+        if isinstance(message, Shutdown):
+            return True
+        if isinstance(message, AbortRequests):
+            self.abort(message.request_ids)
+        else:
+            self.send(self.add(message))
+        return False
 
     def add(self, message: AddRequests) -> AddResult:
         """Queues all children of one prompt, or none: 429 past ``max_queue_len``, 400 if it can't fit

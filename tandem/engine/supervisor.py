@@ -117,9 +117,7 @@ class CoreSupervisor:
 
     async def _restart(self) -> None:
         t0 = time.monotonic()
-        old = self.client
-        old.detach()
-        await asyncio.to_thread(old.close, 1.0)
+        await self._retire(self.client)
         try:
             new = await asyncio.to_thread(self.start_core)
         except EngineCoreStartError as e:
@@ -127,12 +125,8 @@ class CoreSupervisor:
             if not self._closing:
                 self._after_death(f"the engine core failed to restart: {e}")
             return
-        if self._closing:
-            await asyncio.to_thread(new.close)
+        if not await self._adopt(new):
             return
-        self.client = new
-        self.watch()
-        self.unavailable = None
         self.num_restarts += 1
         self.last_restart_s = time.monotonic() - t0
         logger.warning("engine core restarted in %.2f s (pid %s, restart %d)", self.last_restart_s, new.pid,
@@ -140,6 +134,23 @@ class CoreSupervisor:
         if self.on_restart is not None:
             self.on_restart()
         self.on_ready(new)
+
+    @staticmethod
+    async def _retire(old: EngineCoreClient) -> None:
+        """Stops watching ``old`` (on the loop) and closes it (in a thread: it may wait for a process)."""
+        old.detach()
+        await asyncio.to_thread(old.close, 1.0)
+
+    async def _adopt(self, new: EngineCoreClient) -> bool:
+        """Makes ``new`` the serving client and watches it. Returns False (after closing ``new``) when
+        the supervisor is closing."""
+        if self._closing:
+            await asyncio.to_thread(new.close)
+            return False
+        self.client = new
+        self.watch()
+        self.unavailable = None
+        return True
 
     async def close(self) -> None:
         """Stops restarting and closes the current core (waits for it to exit, then kills it)."""

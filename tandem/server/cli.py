@@ -24,7 +24,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from tandem.config import DEFAULT_MAX_QUEUE_LEN, EngineConfig, ServerConfig
+from tandem.config import DEFAULT_MAX_QUEUE_LEN, EngineConfig, ParallelConfig, ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,9 @@ def add_serve_parser(
                         "--core-restart-window seconds (a crash loop; default 3; 1 = never restart)")
     p.add_argument("--core-restart-window", type=float, default=60.0, help="seconds (default 60)")
     p.add_argument("--instance-id", default=None, help="this server's id in /load and /metrics (default: a uuid)")
+    from tandem.cli import add_parallel_args
+
+    add_parallel_args(p, listen=False)
     p.set_defaults(func=cmd_serve)
 
 
@@ -124,20 +127,22 @@ def make_server(config: Any, shutdown_timeout: float, on_deadline: Callable[[], 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """``tandem serve``: the flags as configs, then ``serve``. Raises: see ``serve``."""
-    from tandem.cli import engine_config_from_args
+    from tandem.cli import engine_config_from_args, parallel_config_from_args
 
     log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     return serve(engine_config_from_args(args), server_config_from_args(args), log_level,
-                 default_name=args.model or DEFAULT_MODEL_NAME)
+                 default_name=args.model or DEFAULT_MODEL_NAME, parallel_config=parallel_config_from_args(args))
 
 
 def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "WARNING",
-          default_name: str = DEFAULT_MODEL_NAME) -> int:
+          default_name: str = DEFAULT_MODEL_NAME, parallel_config: ParallelConfig | None = None) -> int:
     """Runs the server until SIGTERM/SIGINT. Returns 0 after a graceful shutdown, 1 when the port
-    cannot be bound or the engine-core process fails while loading the model.
+    cannot be bound, the engine-core process fails while loading the model, or the remote engine
+    core (``parallel_config.engine_address``) cannot be reached or refuses this server.
 
     ``log_level``: the engine core's logging level. ``default_name``: the served model name when
-    ``server_config.served_model_names`` is empty.
+    ``server_config.served_model_names`` is empty. With an ``engine_address`` no model is loaded
+    here: ``engine_config.model`` only names the tokenizer's folder (and chat template).
 
     Raises:
         ValueError / FileNotFoundError: bad config or model (the CLI prints them and exits 2).
@@ -156,8 +161,12 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: s
     except OSError as e:
         print(f"tandem: error: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr)
         return 1
+    remote = parallel_config is not None and parallel_config.engine_address is not None
     try:
-        engine = _start_engine(engine_config, server_config, log_level, allowed_cpus(), t0)
+        if remote:
+            engine = _connect_engine(engine_config, server_config, parallel_config)
+        else:
+            engine = _start_engine(engine_config, server_config, log_level, allowed_cpus(), t0)
         if engine is None:
             return 1
         try:
@@ -206,6 +215,39 @@ def _start_engine(engine_config: EngineConfig, server_config: ServerConfig, log_
     )
 
 
+def _connect_engine(engine_config: EngineConfig, server_config: ServerConfig, parallel: Any) -> Any:
+    """Connects to the engine core at ``parallel.engine_address`` and loads the tokenizer. Returns the
+    ``AsyncLLM``, or None after printing why the core cannot be used.
+
+    Raises:
+        ValueError / FileNotFoundError: bad tokenizer folder, or one whose vocabulary differs from the
+            core's model.
+    """
+    from tandem.engine.async_llm import AsyncLLM
+    from tandem.engine.core_client import EngineCoreStartError
+    from tandem.engine.loading import load_frontend
+    from tandem.engine.remote_client import RECONNECT_TIMEOUT_S, RemoteCoreSupervisor, RemoteEngineCoreClient
+
+    address, secret = parallel.engine_address, parallel.secret()
+    frontend = load_frontend(engine_config)
+    try:
+        client = RemoteEngineCoreClient.connect(address, secret)
+    except EngineCoreStartError as e:
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return None
+    if client.vocab_size and client.vocab_size != frontend.hf_config.vocab_size:
+        client.close()
+        raise ValueError(f"the engine core at {address} serves {client.model!r} (vocabulary {client.vocab_size}) "
+                         f"but --model {frontend.model_dir} has a vocabulary of {frontend.hf_config.vocab_size}: "
+                         "pass the engine's model folder as --model")
+    return AsyncLLM(
+        frontend, client, log_requests=server_config.log_requests,
+        max_queue_len=engine_config.scheduler.max_queue_len, instance_id=server_config.instance_id,
+        start_core=lambda: RemoteEngineCoreClient.connect(address, secret, RECONNECT_TIMEOUT_S),
+        supervisor_cls=RemoteCoreSupervisor,
+    )
+
+
 def _run(engine: Any, engine_config: EngineConfig, server_config: ServerConfig, names: list[str],
          sock: socket.socket, t0: float) -> None:
     """Builds the app around a ready engine and serves on ``sock`` until shutdown."""
@@ -215,13 +257,16 @@ def _run(engine: Any, engine_config: EngineConfig, server_config: ServerConfig, 
     from tandem.server.metrics import ServerMetrics
     from tandem.worker.cpu_env import pin_frontend
 
-    # NOTE: after the spawn: the core inherits the mask of this process and then pins itself.
-    pin_frontend(engine_config.cpu_bind, engine_config.num_threads)
+    core_pid = engine.client.pid
+    if core_pid is not None:
+        # NOTE: after the spawn: the core inherits the mask of this process and then pins itself.
+        pin_frontend(engine_config.cpu_bind, engine_config.num_threads)
+    where = f"core pid {core_pid}" if core_pid is not None else f"core at {getattr(engine.client, 'address', '?')}"
     metrics = ServerMetrics(names[0], core_pid=lambda: engine.client.pid if engine.is_healthy else None,
                             instance_id=engine.instance_id)
     engine.metrics = metrics
     app = build_app(engine, names, server_config.api_key, metrics)
-    print(f"tandem: engine ready in {time.monotonic() - t0:.1f} s (core pid {engine.client.pid}); "
+    print(f"tandem: engine ready in {time.monotonic() - t0:.1f} s ({where}); "
           f"serving {names[0]} on http://{server_config.host}:{server_config.port}", file=sys.stderr, flush=True)
     timeout = server_config.shutdown_timeout
     # NOTE: uvicorn's own drain timeout is a backstop; ours ends the requests first, cleanly.
