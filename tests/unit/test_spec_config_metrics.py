@@ -69,5 +69,5 @@ def test_prometheus_series_follow_the_core_counters():
     assert 'tandem:spec_decode_num_draft_tokens_total{instance_id="",model_name="m"} 15.0' in text
     assert 'tandem:spec_decode_num_accepted_tokens_total{instance_id="",model_name="m"} 9.0' in text
     for pos, value in enumerate([5, 3, 1]):
-        assert (f'tandem:spec_decode_num_accepted_tokens_per_pos_total{{instance_id="",model_name="m",position="{pos}"}} '
-                f'{value}.0') in text
+        assert ('tandem:spec_decode_num_accepted_tokens_per_pos_total'
+                f'{{instance_id="",model_name="m",position="{pos}"}} {value}.0') in text
