@@ -82,7 +82,7 @@ AVX2 = Variant(
     name="avx2",
     sources=_avx2_files(".cpp") + ("threads.cpp",),
     headers=_avx2_files(".h"),
-    cflags=("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"),
+    cflags=("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"),
     required_cpu_flags=("avx2", "fma", "f16c"),
     ldflags=LDFLAGS + ("-Wl,-Bsymbolic",),
 )
