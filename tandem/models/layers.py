@@ -85,7 +85,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: at decode sizes stock bf16 GEMMs read weights at half the memory bandwidth; the
         # streaming AVX-512 BF16 kernel reads them at the roofline (benchmarks/README.md).
-        if (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= kernels.LINEAR_MAX_TOKENS
+        if (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= kernels.linear_max_tokens()
                 and self.weight.dtype == torch.bfloat16 and kernels.available("linear_bf16")):
             return kernels.linear_bf16(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -17,7 +17,9 @@ ggml-quants.c ``dequantize_row_q8_0`` / ``_q4_1``; GGUF Q4_0 is exactly ``int4``
 ``QuantizedLinear.empty`` makes a q8_0 / q4_1 layer's ``qweight`` and ``scale`` strided views of one buffer
 (per row: its scales, then its codes, each starting 64-byte aligned), so a layer is one sequential stream.
 The C++ kernels (``tandem.kernels.linear_int8/int4/q8_0/q4_1``) multiply bf16 activations with these
-formats at decode sizes; larger batches (prefill) and other dtypes dequantize the weight and use ``F.linear``.
+formats up to ``kernels.linear_max_tokens()`` tokens (avx2: every batch, activations quantized per block
+of 32 as llama.cpp does); larger batches (prefill on avx512_bf16) and other dtypes dequantize the weight
+and use ``F.linear``.
 """
 
 from __future__ import annotations
@@ -209,7 +211,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         op = self._LINEAR_OPS[self.method]
-        if (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= kernels.LINEAR_MAX_TOKENS
+        if (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= kernels.linear_max_tokens()
                 and (self.bias is None or self.bias.dtype == torch.bfloat16) and kernels.available(op)):
             return getattr(kernels, op)(x, self.qweight, self.scale, self.bias)
         bias = None if self.bias is None else self.bias.to(x.dtype)
