@@ -4,8 +4,8 @@ For each format (bf16, int8, int4 = Q4_0, q8_0, q4_1) and token count M (1: deco
 printed as GB/s of weight bytes read; 16 and 512: GFLOP/s), times the kernel of each variant, the old
 PyTorch path (``F.linear`` on bf16 weights, or the Python dequantization + ``F.linear``), and
 ``torch.mm`` in float32 on the same shape (this CPU's fp32 matmul rate, the prefill yardstick).
-Contenders run in rotation, ``--repeats`` rounds, and the median is printed, so a noisy shared
-machine slows them alike.
+Contenders run in rotation, ``--repeats`` rounds; the median is printed (and the best round, which
+on a loaded shared machine is the closest to a quiet one), so a noisy machine slows them alike.
 
     PYTHONPATH=$PWD python benchmarks/kernel_bench.py [--k 896 --n 4864 --threads 2 --repeats 15]
 """
@@ -59,7 +59,8 @@ def contenders(fmt: str, tensors: tuple[torch.Tensor, ...], x: torch.Tensor) -> 
     return out
 
 
-def median_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+def median_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple[float, float]]:
+    """``{name: (median, best)}`` seconds per call."""
     for fn in fns.values():  # warm-up (first calls build / allocate)
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -68,7 +69,7 @@ def median_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
 def main() -> None:
@@ -88,14 +89,16 @@ def main() -> None:
     for m in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(m, k).bfloat16()
         a, b = x.float(), torch.randn(k, n)
-        fp32 = median_times({"mm": lambda a=a, b=b: torch.mm(a, b)}, args.repeats)["mm"]
+        fp32, fp32_best = median_times({"mm": lambda a=a, b=b: torch.mm(a, b)}, args.repeats)["mm"]
         flops = 2 * m * n * k
-        print(f"\nM={m}: torch.mm fp32 [{m},{k}]x[{k},{n}] {fp32 * 1e3:.3f} ms = {flops / fp32 / 1e9:.1f} GFLOP/s")
+        print(f"\nM={m}: torch.mm fp32 [{m},{k}]x[{k},{n}] {fp32 * 1e3:.3f} ms = {flops / fp32 / 1e9:.1f} GFLOP/s "
+              f"(best {flops / fp32_best / 1e9:.1f})")
         for fmt in args.formats.split(","):
             tensors, nbytes = weights(fmt, n, k)
-            for name, t in median_times(contenders(fmt, tensors, x), args.repeats).items():
-                rate = f"{nbytes / t / 1e9:6.1f} GB/s" if m == 1 else f"{flops / t / 1e9:6.1f} GFLOP/s"
-                print(f"  {fmt:5s} {name:24s} {t * 1e3:8.3f} ms  {rate}  ({fp32 / t:.2f}x fp32 mm)")
+            for name, (t, best) in median_times(contenders(fmt, tensors, x), args.repeats).items():
+                work, unit = (nbytes, "GB/s") if m == 1 else (flops, "GFLOP/s")
+                print(f"  {fmt:5s} {name:24s} {t * 1e3:8.3f} ms  {work / t / 1e9:6.1f} {unit} "
+                      f"(best {work / best / 1e9:6.1f})  {fp32 / t:.2f}x fp32 mm")
 
 
 if __name__ == "__main__":

@@ -128,24 +128,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+CHAT_HELP = "tandem chat: type a message; /reset clears the history, /exit or Ctrl-D quits."
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     llm = _llm_from_args(args)
     params = sampling_params_from_args(llm, args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
-    print("tandem chat: type a message; /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
+    print(CHAT_HELP, file=sys.stderr)
     while True:
         try:
             line = input("> ")
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return 0
-        if line.strip() in ("/exit", "/quit"):
+        command = line.strip()
+        if command in ("/exit", "/quit"):
             return 0
-        if line.strip() == "/reset":
+        if command == "/reset":
             messages = list(system)
+            print("[history cleared]", file=sys.stderr)
             continue
-        if not line.strip():
+        if command.startswith("/"):
+            # NOTE: a mistyped command is not sent to the model as a message.
+            print(f"unknown command {command.split()[0]!r}; {CHAT_HELP}", file=sys.stderr)
+            continue
+        if not command:
             continue
         messages.append({"role": "user", "content": line})
         reply = _stream_reply(llm, messages, params)
@@ -172,10 +181,13 @@ def _stream_reply(llm, messages: list[dict], params) -> str | None:
     return "".join(parts)
 
 
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="CPU-first LLM inference")
-    parser.add_argument("--log-level", default="WARNING", type=str.upper,
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="logging verbosity")
+    parser.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS,
+                        help="logging verbosity")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="complete one prompt offline")
@@ -192,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
 
     _add_optional_commands(sub)
+    for command in sub.choices.values():
+        # NOTE: also accepted after the subcommand (tandem serve --log-level INFO); SUPPRESS keeps the
+        # top-level value when the subcommand does not set it.
+        command.add_argument("--log-level", default=argparse.SUPPRESS, type=str.upper, choices=LOG_LEVELS,
+                             help="logging verbosity (same as tandem --log-level)")
     return parser
 
 

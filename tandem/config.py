@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 _DTYPES = ("bfloat16", "float32")
 QUANTIZATION_METHODS = ("int8", "int4")
+# Waiting engine requests beyond which the server answers 429: a queue this deep already waits minutes on
+# a CPU, and a bound keeps memory and latency finite under overload.
+DEFAULT_MAX_QUEUE_LEN = 1024
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -70,7 +73,8 @@ class SchedulerConfig:
     """Continuous batching limits per step: a token budget and a sequence cap.
 
     ``long_prefill_token_threshold`` caps one request's prefill chunk (tokens); 0 = budget only.
-    ``max_queue_len`` bounds the waiting queue (0 = unbounded); the server returns 429 beyond it.
+    ``max_queue_len`` bounds the engine requests waiting in the server (the core's waiting queue plus
+    those being tokenized or sent); beyond it the server answers 429. 0 = unbounded.
     ``policy`` orders admission: "fcfs" (arrival order) or "priority" (``SamplingParams.priority``,
     lower first, ties by arrival; vLLM semantics).
     """
@@ -78,7 +82,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     long_prefill_token_threshold: int = 0
-    max_queue_len: int = 0
+    max_queue_len: int = DEFAULT_MAX_QUEUE_LEN
     policy: str = "fcfs"
 
     def __post_init__(self) -> None:
@@ -92,6 +96,47 @@ class SchedulerConfig:
             raise ConfigError("max_queue_len must be >= 0")
         if self.policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """``tandem serve``'s own settings (the engine's are in ``EngineConfig``), one field per flag.
+
+    ``served_model_names`` empty: the ``--model`` value (or the default model's name).
+    ``shutdown_timeout``: seconds in-flight requests may run after SIGTERM before they are ended.
+    ``core_restart_limit`` / ``core_restart_window``: the engine core is restarted after it dies,
+    unless this is its ``core_restart_limit``-th death within ``core_restart_window`` seconds (a crash
+    loop); 1 never restarts. ``instance_id``: this server's id in ``/load`` and the metrics labels
+    (None: a random uuid at start-up).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_names: tuple[str, ...] = ()
+    log_requests: bool = False
+    shutdown_timeout: float = 30.0
+    core_restart_limit: int = 3
+    core_restart_window: float = 60.0
+    instance_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.port) or not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be 0-65535, got {self.port!r}")
+        if not self.host:
+            raise ConfigError("host must not be empty")
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("api_key must not be empty (leave it unset for no key)")
+        if any(not name for name in self.served_model_names):
+            raise ConfigError("served model names must not be empty")
+        if not math.isfinite(self.shutdown_timeout) or self.shutdown_timeout < 0:
+            raise ConfigError(f"shutdown_timeout must be a finite number >= 0, got {self.shutdown_timeout}")
+        if not _is_int(self.core_restart_limit) or self.core_restart_limit < 1:
+            raise ConfigError(f"core_restart_limit must be an integer >= 1, got {self.core_restart_limit!r}")
+        if not math.isfinite(self.core_restart_window) or self.core_restart_window <= 0:
+            raise ConfigError(f"core_restart_window must be a finite number > 0, got {self.core_restart_window}")
+        if self.instance_id is not None and not self.instance_id.strip():
+            raise ConfigError("instance_id must not be blank")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft", "pard", "self-quant")

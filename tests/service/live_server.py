@@ -63,11 +63,16 @@ class Server:
         return self.log_path.read_text()
 
     def core_process(self) -> psutil.Process:
-        """The engine-core child (started with multiprocessing spawn)."""
+        """The engine-core process: a child of the server's multiprocessing fork server (or, where
+        there is none, a spawned child of the server)."""
         for child in psutil.Process(self.proc.pid).children():
-            if any("spawn_main" in part for part in child.cmdline()):
+            cmdline = " ".join(child.cmdline())
+            if "forkserver" in cmdline:
+                for core in child.children():
+                    return core
+            elif "spawn_main" in cmdline:
                 return child
-        raise LookupError("no engine-core child process")
+        raise LookupError("no engine-core process")
 
     def stop(self, timeout_s: float = 30.0) -> int:
         if self.proc.poll() is None:
@@ -89,7 +94,7 @@ def metric_samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
     samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "instance_id")))
             samples[(s.name, labels)] = s.value
     return samples
 

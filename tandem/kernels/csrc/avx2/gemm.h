@@ -67,14 +67,38 @@ struct Output {
 
 inline int64_t round_up(int64_t v, int64_t to) { return (v + to - 1) / to * to; }
 
-// x [M, K] bf16 -> fp32 [M, round_up(K, 8)], zero-padded (exact: bf16 widens to fp32).
+// The even / odd split of 16 bf16 values held as 8 32-bit words: the high half of each word is the
+// odd element, already an fp32 bit pattern once the low half is masked off (AND); the low half
+// shifted up is the even one. One load and two ALU ops, no shuffle (vpmovzxwd is one).
+inline __m256 bf16_even(__m256i raw) { return _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)); }
+inline __m256 bf16_odd(__m256i raw) {
+  return _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// The first n (0..16) bf16 values at p as 32 bytes, zero past n; never reads past p + n.
+inline __m256i load_bf16x16(const c10::BFloat16* p, int64_t n) {
+  if (n >= 16) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  alignas(32) uint16_t tmp[16] = {};
+  if (n > 0) std::memcpy(tmp, p, 2 * n);
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp));
+}
+
+// dst[0, 16) = fp32 of src[0, n) in the split layout of the bf16 kernel: per group of 16 values, the
+// 8 even ones then the 8 odd ones; zero past n.
+inline void widen16(const c10::BFloat16* src, int64_t n, float* dst) {
+  const __m256i raw = load_bf16x16(src, n);
+  _mm256_storeu_ps(dst, bf16_even(raw));
+  _mm256_storeu_ps(dst + 8, bf16_odd(raw));
+}
+
+// x [M, K] bf16 -> fp32 [M, round_up(K, 16)] in widen16's split layout, zero-padded (exact).
 inline std::vector<float> activations_fp32(const at::Tensor& x) {
-  const int64_t M = x.size(0), K = x.size(1), ld = round_up(K, 8);
+  const int64_t M = x.size(0), K = x.size(1), ld = round_up(K, 16);
   std::vector<float> out(M * ld);
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
   parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m)
-      for (int64_t k = 0; k < ld; k += 8) _mm256_storeu_ps(&out[m * ld + k], load8(xp + m * K + k, K - k));
+      for (int64_t k = 0; k < ld; k += 16) widen16(xp + m * K + k, K - k, &out[m * ld + k]);
   });
   return out;
 }
