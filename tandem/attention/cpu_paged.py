@@ -1,11 +1,13 @@
-"""Fast CPU paged attention: the C++ kernel reads the KV cache in place for short rows (decode,
-speculative verification, small chunks); long prompt rows use PyTorch's fused SDPA.
+"""Fast CPU paged attention: the C++ kernel reads the KV cache in place (online softmax, no gather).
 
 Per layer and step: one kernel call stores this step's K/V and attends every row with at most
-``max_query_len`` query tokens (online softmax over the row's blocks, no gather, memory independent
-of the context). A row with more query tokens runs ``F.scaled_dot_product_attention``: directly on
-its new q/k/v when nothing of it is cached (``is_causal``), else on its context gathered through
-the block table (as the reference does). Results match ``TorchRefAttention`` (tests/unit).
+``max_query_len`` query tokens (online softmax over the row's blocks, memory independent of the
+context). On the ``avx2`` kernels that is every row (``ALL_ROWS``): their kernel tiles queries
+for prompt chunks and gives a query the same bits whatever else is in the step (batch
+invariance). On ``avx512_bf16`` rows longer than 16 tokens run ``F.scaled_dot_product_attention``:
+directly on their new q/k/v when nothing of them is cached (``is_causal``), else on their
+context gathered through the block table (as the reference does). Results match
+``TorchRefAttention`` (tests/unit).
 """
 
 from __future__ import annotations
@@ -19,19 +21,33 @@ from tandem.attention.torch_ref import gather_context
 
 _LongRow = tuple[int, int, int, int, int]  # (row, start, end, num_computed, seq_len)
 
+# Largest query count of a row the kernel attends: every row (its max_query_len is an int64).
+ALL_ROWS = 2**62
+# NOTE: the avx512_bf16 kernel attends a whole row in one work item (buffers that grow with the row,
+# one thread per row and KV head), so prompt rows keep going to SDPA there; the avx2 kernel splits
+# rows into query tiles (csrc/avx2/paged_attention.cpp). AVX-512 cannot be measured on Zen 3.
+_KERNEL_MAX_QUERY_LEN = {"avx512_bf16": 16}
+
+
+def default_max_query_len() -> int:
+    """Longest row (query tokens) the selected kernel variant attends itself: 16 on ``avx512_bf16``,
+    ``ALL_ROWS`` on ``avx2`` (so prompt rows get the same numerics as decode rows)."""
+    return _KERNEL_MAX_QUERY_LEN.get(kernels.backend(), ALL_ROWS)
+
 
 class CpuPagedAttention:
     """Paged attention backend over Tandem's C++ kernel; requires ``kernels.available("paged_attention")``.
 
     Args:
-        max_query_len: rows with more query tokens than this go to SDPA (prompt chunks).
+        max_query_len: rows with more query tokens than this go to SDPA (prompt chunks); default
+            ``default_max_query_len()``.
 
     The per-step row plan (which rows are long) is computed on the first layer's call and reused by
     the other layers of that step (keyed by the identity of the step's ``AttentionMetadata``).
     """
 
-    def __init__(self, max_query_len: int = 16) -> None:
-        self.max_query_len = max_query_len
+    def __init__(self, max_query_len: int | None = None) -> None:
+        self.max_query_len = default_max_query_len() if max_query_len is None else max_query_len
         self._meta: AttentionMetadata | None = None
         self._long_rows: list[_LongRow] = []
 

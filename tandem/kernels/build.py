@@ -80,9 +80,9 @@ AVX512_BF16 = Variant(
 # same function names is loaded in the process (tests load both on AVX-512 machines).
 AVX2 = Variant(
     name="avx2",
-    sources=_avx2_files(".cpp") + ("threads.cpp",),
+    sources=_avx2_files(".cpp") + ("threads.cpp", "decoder_layer.cpp"),
     headers=_avx2_files(".h"),
-    cflags=("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"),
+    cflags=("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"),
     required_cpu_flags=("avx2", "fma", "f16c"),
     ldflags=LDFLAGS + ("-Wl,-Bsymbolic",),
 )

@@ -9,6 +9,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bind_omp_threads", &bind_omp_threads, "pin OpenMP thread i to cpus[i]; returns the thread ids",
         py::arg("cpus"));
   m.def("omp_thread_ids", &omp_thread_ids, "thread ids of an n-thread OpenMP team", py::arg("n"));
+  m.def("paged_attention", &paged_attention, "write K/V into the paged cache, attend every row up to max_query_len");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim of [R, dim]");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "in place: residual += x; x = rms_norm(residual)");
+  m.def("rotary", &rotary, "rotate-half rotary embedding of [T, H, D]");
+  m.def("rotary_", &rotary_, "in-place rotate-half rotary embedding of [T, H, D] (any token stride)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]");
+  m.def("decoder_layer_bf16", &decoder_layer_bf16, "a whole bf16 pre-norm decoder layer at decode sizes");
   // Linear kernels (linear_bf16.cpp, linear_quant.cpp): any M, batch invariant; quantized formats
   // quantize the activations to int8 per block of 32 (llama.cpp's AVX2 path).
   m.def("linear_bf16", &linear_bf16, "y = x @ w.T (+ bias), bf16, fp32 FMA", py::arg("x"), py::arg("w"),

@@ -4,10 +4,21 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <tuple>
 #include <vector>
 
 std::vector<int64_t> bind_omp_threads(const std::vector<int64_t>& cpus);
 std::vector<int64_t> omp_thread_ids(int64_t n);
+
+// paged_attention.cpp, elementwise.cpp (semantics: tandem/kernels/__init__.py)
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache,
+                     at::Tensor v_cache, at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
+                     at::Tensor query_start_loc, double scale, int64_t max_query_len);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin);
+void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin);
+at::Tensor silu_and_mul(at::Tensor x);
 
 // linear_bf16.cpp, linear_quant.cpp
 at::Tensor linear_bf16(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
@@ -18,3 +29,12 @@ at::Tensor linear_q4_1(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::
 at::Tensor dequantize(at::Tensor qweight, at::Tensor scale);
 at::Tensor dequantize_q8_0(at::Tensor qweight, at::Tensor scale);
 at::Tensor dequantize_q4_1(at::Tensor qweight, at::Tensor scale);
+
+// ../decoder_layer.cpp (ISA-independent: calls the functions above)
+std::tuple<at::Tensor, at::Tensor> decoder_layer_bf16(
+    at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor input_norm, at::Tensor post_norm, double eps,
+    at::Tensor qkv_w, c10::optional<at::Tensor> qkv_b, at::Tensor o_w, c10::optional<at::Tensor> o_b,
+    at::Tensor gate_up_w, c10::optional<at::Tensor> gate_up_b, at::Tensor down_w, c10::optional<at::Tensor> down_b,
+    at::Tensor cos, at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
+    at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, int64_t num_heads,
+    int64_t num_kv_heads, double scale, int64_t max_query_len);
