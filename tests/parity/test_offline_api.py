@@ -8,6 +8,7 @@ import pytest
 
 from tandem import LLM, SamplingParams
 from tandem.engine.processor import PromptError
+from tandem.errors import ContextLengthExceededError
 from tandem.sampling_params import SamplingParamsError
 
 
@@ -25,7 +26,7 @@ def test_empty_prompt_raises(llm):
 
 def test_prompt_longer_than_context_raises(llm):
     ids = [5] * llm.engine.max_model_len
-    with pytest.raises(PromptError, match="maximum context length is 512"):
+    with pytest.raises(ContextLengthExceededError, match="maximum context length is 512"):
         llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=4))
     # Nothing was queued by the failed call.
     assert not llm.engine.has_unfinished_requests()
