@@ -63,6 +63,8 @@ class EngineCoreClient:
         self.decoder = msgspec.msgpack.Decoder(OutputMessage)
         self.max_model_len = 0
         self.num_blocks = 0
+        self.kernel_backend = "torch"  # the core's kernel path (``tandem/kernels/registry.py``), from Ready
+        self.kernel_message = ""
 
     @classmethod
     def start(cls, model_dir: Path, config: EngineConfig, log_level: str = "WARNING") -> EngineCoreClient:
@@ -85,7 +87,8 @@ class EngineCoreClient:
         return cls(proc, ctx, inputs, outputs, tmp_dir)
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
-        """Blocks until the core has loaded the model; sets ``max_model_len`` and ``num_blocks``.
+        """Blocks until the core has loaded the model; sets ``max_model_len``, ``num_blocks``, ``kernel_backend``
+        and ``kernel_message``.
 
         Raises:
             EngineCoreStartError: the process exited, reported a failure, or ``timeout_s`` passed.
@@ -104,6 +107,7 @@ class EngineCoreClient:
             raise EngineCoreStartError(f"unexpected first message from the engine core: {message!r}")
         self.max_model_len = message.max_model_len
         self.num_blocks = message.num_blocks
+        self.kernel_backend, self.kernel_message = message.kernel_backend, message.kernel_message
         logger.info("engine core pid %d ready: max_model_len %d, %d KV blocks",
                     self.proc.pid, self.max_model_len, self.num_blocks)
 

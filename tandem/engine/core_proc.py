@@ -64,8 +64,12 @@ InputMessage = AddRequests | AbortRequests | Shutdown
 
 # ---- core -> front end ----
 class Ready(msgspec.Struct, tag="ready"):
+    """The core loaded the model; ``kernel_backend`` / ``kernel_message``: its kernel path and start-up line."""
+
     max_model_len: int
     num_blocks: int
+    kernel_backend: str = "torch"
+    kernel_message: str = ""
 
 
 class AddResult(msgspec.Struct, tag="add_result"):
@@ -259,7 +263,9 @@ def run_engine_core(
         t0 = time.monotonic()
         core = EngineCore(model_dir, config)
         logger.info("engine core (pid %d) ready in %.1f s", os.getpid(), time.monotonic() - t0)
-        outputs.send(encoder.encode(Ready(core.max_model_len, getattr(core, "num_blocks", 0))))
+        kernels = core.runner.kernel_status
+        outputs.send(encoder.encode(Ready(core.max_model_len, getattr(core, "num_blocks", 0), kernels.backend,
+                                          kernels.message)))
         ready = True
         EngineCoreProc(core, inputs, outputs, parent_pid, config.scheduler.max_queue_len).run()
     except Exception as e:

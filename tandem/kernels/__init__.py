@@ -1,8 +1,9 @@
 """Tandem's own CPU kernels (C++, one build per instruction set, built just in time; see ``build.py``).
 
 Each wrapper takes the same tensors as its PyTorch reference and calls the selected variant
-(``backend()``: ``avx512_bf16`` or ``avx2``); it must only be called when ``available(op)`` is true
-for its operator name; callers keep the PyTorch path as the fallback.
+(``backend()``: ``avx512_bf16`` or ``avx2``). Callers ask the kernel registry (``registry.use(op,
+tokens=T)``, ``tandem/kernels/registry.py``) whether to call it for their operator and size, and keep
+the PyTorch path as the fallback.
 """
 
 from __future__ import annotations
@@ -15,9 +16,6 @@ __all__ = [
     "available", "backend", "dequantize", "linear_bf16", "linear_int4", "linear_int8", "paged_attention", "rms_norm",
     "rotary", "silu_and_mul", "unavailable_reason",
 ]
-
-# Largest token count the bf16 GEMV/GEMM kernel handles; above it oneDNN's GEMM (F.linear) is faster.
-LINEAR_MAX_TOKENS = 16
 
 
 def available(op: str | None = None) -> bool:
@@ -44,7 +42,8 @@ def unavailable_reason(op: str | None = None) -> str | None:
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ weight[N, K].T (+ bias [N])`` -> ``[M, N]``, all bf16, fp32 accumulation.
 
-    Reads ``weight`` row by row in place (streaming, ``vdpbf16ps``); meant for small M (decode).
+    Reads ``weight`` row by row in place (streaming); the registry's ``linear_bf16`` limit says up to
+    which M it is used (16 on ``avx512_bf16``, where oneDNN is faster above; any M on ``avx2``).
     Matches ``F.linear`` up to fp32 summation order and the final bf16 rounding.
 
     Raises:
@@ -228,7 +227,8 @@ def decoder_layer_bf16(
     is bit-identical to it: ``x [T, hidden]`` and ``residual`` (None on the first layer: ``x`` is then
     the embeddings) as there; norm weights ``[hidden]``; ``(weight [N, K], bias [N] or None)`` per
     linear (``qkv`` rows ordered q, k, v); ``cos, sin [T, 1, head_dim]``; caches ``[N, B, KV, D]``;
-    ``meta`` an ``AttentionMetadata``. Requires ``T <= max_query_len`` and ``T <= LINEAR_MAX_TOKENS``.
+    ``meta`` an ``AttentionMetadata``. Requires ``T <= max_query_len`` and the registry's limits
+    (``registry.use("decoder_layer_bf16", tokens=T)``).
 
     Changes: overwrites ``x`` and ``residual`` in place; writes this step's K/V into the caches.
 

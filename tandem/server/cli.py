@@ -147,10 +147,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             # NOTE: after the spawn: the core inherits the mask of this process and then pins itself.
             pin_frontend(config.cpu_bind, config.num_threads)
-            metrics = ServerMetrics(names[0], core_pid=lambda: engine.client.pid if engine.is_healthy else None)
+            metrics = ServerMetrics(names[0], core_pid=lambda: engine.client.pid if engine.is_healthy else None,
+                                    kernel_backend=client.kernel_backend)
             engine.metrics = metrics
             app = build_app(engine, names, args.api_key, metrics)
-            print(f"tandem: engine ready in {time.monotonic() - t0:.1f} s (core pid {engine.client.pid}); "
+            print(f"tandem: engine ready in {time.monotonic() - t0:.1f} s (core pid {engine.client.pid}, "
+                  f"kernels {client.kernel_backend}); "
                   f"serving {names[0]} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
             # NOTE: uvicorn's own drain timeout is a backstop; ours ends the requests first, cleanly.
             uv_config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=5,

@@ -42,9 +42,12 @@ class ServerMetrics:
         model_name: the served model name (the ``model_name`` label, as in vLLM).
         core_pid: a callable giving the engine-core pid (for its resident memory; None once it is
             gone), or None.
+        kernel_backend: the engine core's kernel path (``tandem/kernels/registry.py``), exported as the
+            info-style gauge ``tandem:kernel_backend_info{model_name, backend} 1``; None exports none.
     """
 
-    def __init__(self, model_name: str, core_pid: Callable[[], int | None] | None = None) -> None:
+    def __init__(self, model_name: str, core_pid: Callable[[], int | None] | None = None,
+                 kernel_backend: str | None = None) -> None:
         self.registry = CollectorRegistry()
         self.core_pid = core_pid
         reg, labels = self.registry, ["model_name"]
@@ -87,6 +90,9 @@ class ServerMetrics:
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
                                           ITERATION_TOKEN_BUCKETS)
         self._last = CoreStats()
+        if kernel_backend is not None:
+            Gauge("tandem:kernel_backend_info", "Kernel path of the engine core (the backend label); always 1.",
+                  ["model_name", "backend"], registry=reg).labels(model_name, kernel_backend).set(1)
 
     def record_step(self, stats: CoreStats, num_batched_tokens: int) -> None:
         """Gauges from the snapshot; counters by the increase of the core's cumulative counters."""

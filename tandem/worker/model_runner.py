@@ -22,6 +22,7 @@ import torch
 
 from tandem.attention import AttentionBackend, AttentionMetadata, token_positions
 from tandem.config import ConfigError, EngineConfig
+from tandem.kernels import registry
 from tandem.kv_cache.storage import bytes_per_block, kv_cache_shape
 from tandem.models.hf_config import HFModelConfig, load_hf_config
 from tandem.models.llama import KVCache
@@ -117,6 +118,9 @@ class ModelRunner:
         backend: AttentionBackend | None = None,
         progress: bool = True,
     ) -> None:
+        # NOTE: before anything loads a kernel variant (configure_threads binds threads through one).
+        registry.configure(engine_config.model.kernel_backend)
+        self.kernel_status = registry.log_status(logger)
         self.num_threads = configure_threads(engine_config.num_threads, engine_config.cpu_bind)
         keep_freed_memory()
         self.config = engine_config
