@@ -39,8 +39,11 @@ _ELEMENTWISE_OPS = ("rms_norm", "fused_add_rms_norm", "rotary", "rotary_", "silu
 _THREAD_OPS = ("bind_omp_threads", "omp_thread_ids")
 
 
+_NONE = -1  # a variant that does not declare the operator
+
+
 def _limits(avx512_bf16: int | None, avx2: int | None) -> dict[str, int | None]:
-    return {"avx512_bf16": avx512_bf16, "avx2": avx2}
+    return {name: limit for name, limit in (("avx512_bf16", avx512_bf16), ("avx2", avx2)) if limit != _NONE}
 
 
 # op -> {variant: max tokens per call (None = any)}; a variant missing from an op's dict lacks it.
@@ -48,7 +51,9 @@ def _limits(avx512_bf16: int | None, avx2: int | None) -> dict[str, int | None]:
 # kernel (benchmarks/README.md); CpuPagedAttention's SDPA path beats the kernel on longer rows there.
 LIMITS: dict[str, dict[str, int | None]] = {
     **{op: _limits(16, None) for op in _LINEAR_OPS},
-    **{op: _limits(None, None) for op in _DEQUANT_OPS + _ELEMENTWISE_OPS + _THREAD_OPS},
+    **{op: _limits(None, None) for op in _ELEMENTWISE_OPS + _THREAD_OPS},
+    # dequantize for one oneDNN GEMM above the linear limit; avx2's linears take every M instead
+    **{op: _limits(None, _NONE) for op in _DEQUANT_OPS},
     "paged_attention": _limits(16, None),
     "decoder_layer_bf16": _limits(16, None),
 }
