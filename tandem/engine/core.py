@@ -1,109 +1,126 @@
 """EngineCore: the step loop (schedule -> execute -> update). No I/O; the offline LLM and the
-engine-core process both drive it."""
+engine-core process both drive it.
+
+The core only wires its parts: a ``Scheduler`` (queues, KV blocks), a ``ModelRunner`` (tensors) and
+an optional ``KVConnector`` (KV arriving from elsewhere). It owns no module-level state, so several
+engines can live in one process: each has its own KV cache and its own sampling generator.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Protocol
 
 from tandem.config import EngineConfig
-from tandem.kv_cache.storage import num_blocks_for_budget
-from tandem.outputs import EngineCoreOutput
+from tandem.errors import EngineStepError
+from tandem.kv_cache.storage import plan_num_blocks
+from tandem.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tandem.request import Request
 from tandem.scheduler.scheduler import Scheduler
+from tandem.scheduler.stats import SchedulerStats
 from tandem.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
+IDLE_CHECK_INTERVAL_S = 1.0  # at most one integrity check per second while idle
 
-@dataclass
-class EngineStats:
-    """A snapshot for metrics: queue sizes, KV usage (0..1) and cumulative counters (tokens)."""
 
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_steps: int
-    # Speculative decoding (cumulative; all 0 without it): verifications, draft tokens verified and
-    # accepted, accepted per draft position; the proposer's own counters (draft forwards, seconds, ...).
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
-    spec_proposer: dict[str, float] = field(default_factory=dict)
+class KVConnector(Protocol):
+    """Where KV computed elsewhere comes from (a P/D transfer); the engine only polls it.
 
-    @property
-    def spec_acceptance_rate(self) -> float:
-        """Accepted / verified draft tokens (0.0 before any draft)."""
-        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+    The connector writes the KV of a ``WAITING_FOR_REMOTE_KV`` request into the blocks that
+    ``Scheduler.add_remote_kv_request`` returned (``ModelRunner.write_kv_blocks``), then reports
+    the request id here. If the request is aborted first, its blocks stay held under the lease
+    ``f"aborted-remote:{request_id}"`` until the connector releases it
+    (``KVCacheManager.release``) or it expires; a late report of its id is ignored.
+    """
 
-    @property
-    def spec_mean_acceptance_length(self) -> float:
-        """Tokens per verification step: 1 + accepted drafts per step (0.0 before any draft)."""
-        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
+    def ready_request_ids(self) -> list[str]:
+        """Ids whose remote KV has been written since the last call (each reported once)."""
+        ...
+
+
+def build_scheduler(config: EngineConfig, runner: ModelRunner, clock: Callable[[], float] = time.monotonic
+                    ) -> Scheduler:
+    """Sizes the KV pool (``storage.plan_num_blocks``, target + draft caches), allocates the runner's
+    cache and returns a scheduler over the same blocks.
+
+    Changes: the runner's KV cache (allocated); may lower the speculator's ``max_model_len`` to the pool.
+    Raises:
+        ConfigError: the budget holds fewer than 2 blocks, or exceeds the memory check.
+    """
+    block_size = config.cache.block_size
+    draft_bytes = runner.speculator.kv_cache_bytes_per_block() if runner.speculator is not None else 0
+    num_blocks = plan_num_blocks(config.cache, runner.kv_cache_bytes_per_block(block_size), draft_bytes,
+                                 config.scheduler.max_num_seqs, runner.max_model_len)
+    runner.initialize_kv_cache(num_blocks)
+    scheduler = Scheduler(config.scheduler, config.cache, num_blocks, runner.max_model_len,
+                          config.speculative, clock=clock)
+    if scheduler.max_model_len < runner.max_model_len:
+        # NOTE: one request alone must fit in the pool, or it would preempt itself forever.
+        logger.warning(
+            "the KV cache holds %d tokens, fewer than the context length %d: max_model_len is "
+            "lowered to %d; raise --kv-cache-gib to serve the full context",
+            num_blocks * block_size, runner.max_model_len, scheduler.max_model_len,
+        )
+        if runner.speculator is not None:
+            runner.speculator.max_model_len = scheduler.max_model_len  # no drafts past the pool
+    return scheduler
 
 
 class EngineCore:
-    """Owns the model runner, the KV cache and the scheduler of one engine instance.
+    """Drives one engine instance: its scheduler, model runner and optional KV connector.
 
     Args:
-        model_dir: a local HF-format folder (already resolved; GGUF is converted before this).
+        model_dir: a local HF-format folder (already resolved; GGUF is converted before this); may
+            be None when ``runner`` is given.
         config: the engine configuration.
+        progress: show a progress bar while loading weights.
+        runner: a ready ``ModelRunner`` (default: loads ``model_dir``).
+        scheduler: a scheduler over the runner's KV blocks (default: ``build_scheduler``).
+        kv_connector: source of remote KV (``KVConnector``), or None.
+        clock: monotonic clock (seconds) for the idle check's rate limit and KV lease expiry.
+
+    Raises:
+        FileNotFoundError, CheckpointError, ConfigError: the checkpoint or configuration is unusable.
     """
 
-    def __init__(self, model_dir: Path, config: EngineConfig, progress: bool = True) -> None:
+    def __init__(
+        self, model_dir: Path | None, config: EngineConfig, progress: bool = True, *,
+        runner: ModelRunner | None = None, scheduler: Scheduler | None = None,
+        kv_connector: KVConnector | None = None, clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         t0 = time.monotonic()
+        if runner is None and model_dir is None:
+            raise ValueError("EngineCore needs a model_dir or a runner")
         self.config = config
-        self.runner = ModelRunner(model_dir, config, progress=progress)
-        hf = self.runner.hf_config
-        self.max_model_len = self.runner.max_model_len
-        block_size = config.cache.block_size
-        if config.cache.num_blocks is not None:
-            num_blocks = config.cache.num_blocks
-        else:
-            num_blocks = num_blocks_for_budget(
-                config.cache.kv_cache_gib, block_size, hf.num_layers, hf.num_kv_heads, hf.head_dim,
-                self.runner.dtype_bytes,
-            )
-            draft_bytes = self.runner.speculator.kv_cache_bytes_per_block() if self.runner.speculator else 0
-            if draft_bytes:
-                # NOTE: a draft model's cache uses the same block ids, so each block costs both caches.
-                target_bytes = self.runner.kv_cache_bytes_per_block(block_size)
-                num_blocks = max(2, num_blocks * target_bytes // (target_bytes + draft_bytes))
-            # NOTE: more blocks than every sequence at full context (x2 for prefix-cache reuse) can
-            # never be used; small models would otherwise zero-fill gigabytes for nothing.
-            useful = 2 * config.scheduler.max_num_seqs * -(-self.max_model_len // block_size)
-            num_blocks = min(num_blocks, max(useful, 2))
-        self.num_blocks = num_blocks
-        self.runner.initialize_kv_cache(num_blocks)
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, self.max_model_len,
-                                   config.speculative)
-        if self.scheduler.max_model_len < self.max_model_len:
-            # NOTE: one request alone must fit in the pool, or it would preempt itself forever.
-            logger.warning(
-                "the KV cache holds %d tokens, fewer than the context length %d: max_model_len is "
-                "lowered to %d; raise --kv-cache-gib to serve the full context",
-                num_blocks * block_size, self.max_model_len, self.scheduler.max_model_len,
-            )
-            self.max_model_len = self.scheduler.max_model_len
-            if self.runner.speculator is not None:
-                self.runner.speculator.max_model_len = self.max_model_len  # no drafts past the pool
-        self.num_steps = 0
+        self.runner = runner if runner is not None else ModelRunner(model_dir, config, progress=progress)
+        self.scheduler = scheduler if scheduler is not None else build_scheduler(config, self.runner, clock)
+        self.kv_connector = kv_connector
+        self.clock = clock
+        self.num_blocks = self.scheduler.kv_cache_manager.num_blocks
+        self.max_model_len = min(self.runner.max_model_len, self.scheduler.max_model_len)
+        self._last_check = float("-inf")
         logger.info(
             "engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens), max_model_len %d",
-            time.monotonic() - t0, num_blocks, block_size, num_blocks * block_size, self.max_model_len,
+            time.monotonic() - t0, self.num_blocks, self.scheduler.block_size,
+            self.num_blocks * self.scheduler.block_size, self.max_model_len,
         )
+
+    @property
+    def num_steps(self) -> int:
+        """Steps that ran a forward pass and were applied (cumulative)."""
+        return self.scheduler.num_steps
 
     def add_request(self, request: Request) -> None:
         """Queues ``request`` for scheduling (changes the scheduler's waiting queue).
 
         Raises:
+            DuplicateRequestError: the id is already queued or running (``tandem.errors``).
+            ContextLengthExceededError: the prompt is longer than the context.
             ValueError: the request can never fit in the KV cache.
         """
         self.scheduler.add_request(request)
@@ -115,36 +132,63 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Runs one engine step: schedule, one forward pass, update. Returns new tokens per request.
 
+        With no request left it runs ``on_idle`` instead (lease expiry, a rate-limited check).
         Changes: scheduler queues and counters, KV cache contents, runner per-request state.
+        Raises:
+            EngineStepError: the forward pass raised; the step was rolled back first (its requests
+                aborted, no block of it hashable), so the engine stays usable. A ``BaseException``
+                (KeyboardInterrupt) is re-raised as is after the same rollback.
         """
+        self._poll_connector()
+        self.scheduler.kv_cache_manager.expire_leases()
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute(scheduler_output)
+        runner_output = self._execute(scheduler_output)
         if scheduler_output.is_empty:
+            if not self.scheduler.has_unfinished_requests():
+                self.on_idle()
             return []
-        self.num_steps += 1
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        try:
+            return self.runner.execute(scheduler_output)
+        except BaseException as exc:
+            failed = self.scheduler.abort_step(scheduler_output)
+            if not isinstance(exc, Exception):
+                raise
+            logger.exception("engine step failed; aborted %d request(s): %s", len(failed), failed)
+            raise EngineStepError(failed) from exc
+
+    def _poll_connector(self) -> None:
+        if self.kv_connector is None:
+            return
+        for request_id in self.kv_connector.ready_request_ids():
+            if request_id in self.scheduler.remote_kv_tokens:  # NOTE: not if aborted meanwhile
+                self.scheduler.mark_remote_kv_ready(request_id)
+
+    def on_idle(self) -> None:
+        """Housekeeping for a loop with no work: expires KV leases and, at most once per
+        ``IDLE_CHECK_INTERVAL_S`` seconds, runs ``Scheduler.check`` (which includes the KV manager's).
+
+        Changes: frees the blocks of expired leases.
+        Raises:
+            AssertionError: the integrity check failed (a leak or a corrupted cache: a bug).
+        """
+        self.scheduler.kv_cache_manager.expire_leases()
+        now = self.clock()
+        if now - self._last_check < IDLE_CHECK_INTERVAL_S:
+            return
+        self._last_check = now
+        try:
+            self.scheduler.check()
+        except AssertionError:
+            logger.exception("engine integrity check failed")
+            raise
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def stats(self) -> EngineStats:
-        s = self.scheduler
-        kv = s.kv_cache_manager
-        return EngineStats(
-            num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=kv.usage,
-            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
-            num_preemptions=s.num_preemptions_total, num_steps=self.num_steps,
-            **self._spec_stats(),
-        )
-
-    def _spec_stats(self) -> dict:
-        spec = self.scheduler.spec_stats
-        if spec is None or self.runner.speculator is None:
-            return {}
-        return {
-            "spec_num_drafts": spec.num_drafts, "spec_num_draft_tokens": spec.num_draft_tokens,
-            "spec_num_accepted_tokens": spec.num_accepted_tokens,
-            "spec_num_accepted_tokens_per_pos": list(spec.num_accepted_tokens_per_pos),
-            "spec_proposer": self.runner.speculator.stats(),
-        }
-
+    def stats(self) -> SchedulerStats:
+        """The metrics snapshot (``SchedulerStats``, with the proposer's counters). Changes nothing."""
+        speculator = self.runner.speculator
+        return self.scheduler.make_stats(speculator.stats() if speculator is not None else None)

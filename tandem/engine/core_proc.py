@@ -81,7 +81,7 @@ class AddResult(msgspec.Struct, tag="add_result"):
 
 
 class CoreStats(msgspec.Struct):
-    """Decoded view of ``EngineStats`` (unknown fields are ignored, so the core may add more)."""
+    """Decoded view of ``SchedulerStats`` (unknown fields are ignored, so the core may add more)."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -157,8 +157,10 @@ class EngineCoreProc:
                 return
             if self.core.has_unfinished_requests():
                 self.step()
-            elif handled:
-                self.send(StepOutputs([], self.stats()))
+            else:
+                self.core.on_idle()  # lease expiry and a rate-limited integrity check
+                if handled:
+                    self.send(StepOutputs([], self.stats()))
 
     def drain_inputs(self, timeout_ms: int) -> tuple[bool, bool]:
         """Handles every queued input message. Returns (handled any, shutdown requested)."""

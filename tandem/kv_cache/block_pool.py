@@ -8,6 +8,13 @@ Follows vLLM v1's ``BlockPool`` (automatic prefix caching over PagedAttention bl
   the prefix cache until allocation evicts it (which removes its hash).
 - Touching a cached free block (a prefix hit) takes it out of the free queue in O(1).
 
+The life of a block: **allocated** (``get_new_blocks``: ref 1, no hash, content garbage) ->
+**written** (its KV computed or received; only then ``cache_full_blocks`` gives a full block its
+hash) -> optionally **held** (its request finished, a lease keeps the reference; see
+``KVCacheManager.hold``) -> **freed** (ref 0, in the free queue, still hashable until evicted). The
+pool does not know who owns a reference (a request's table or a lease); ``KVCacheManager`` does and
+its ``check`` accounts for both.
+
 There is no reserved null block: ids ``0 .. num_blocks - 1`` are all usable. A runner that pads a
 block table must mask the padded entries (they may point at live blocks).
 """

@@ -30,7 +30,8 @@ class SamplingState:
 
     The runner appends each sampled token to ``output_token_ids`` (penalties and min_tokens read it).
     ``generator`` is the request's own RNG when ``params.seed`` is set, so its samples do not depend on
-    which other requests share the batch; it advances once per random sample of this request.
+    which other requests share the batch; it advances once per random sample of this request. An
+    unseeded request shares its engine's generator (``default_generator``; None: torch's global one).
     """
 
     params: SamplingParams
@@ -46,9 +47,11 @@ class SamplingState:
         prompt_token_ids: list[int],
         output_token_ids: list[int] | None = None,
         eos_token_ids: frozenset[int] | set[int] = frozenset(),
+        default_generator: torch.Generator | None = None,
     ) -> SamplingState:
-        """A new state; copies the token lists and seeds a CPU generator with ``params.seed`` if set."""
-        generator = None
+        """A new state; copies the token lists and seeds a CPU generator with ``params.seed`` if set,
+        else uses ``default_generator`` (the engine's, shared by its unseeded requests)."""
+        generator = default_generator
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
         return cls(params, list(prompt_token_ids), list(output_token_ids or []), frozenset(eos_token_ids),

@@ -4,8 +4,15 @@ Every request has ``num_computed_tokens`` (KV in the cache) and ``num_tokens`` (
 Each step hands out at most ``max_num_batched_tokens`` tokens so requests catch up: a decode asks for
 1 token, a prompt for a chunk. Running requests go first, in order; when the KV pool runs out the
 newest running request is preempted (its blocks freed, recomputed later). Then waiting requests are
-admitted first come, first served, reusing prefix-cache hits. Chunked prefill, prefix hits and
-preemption all fall out of the two counters. The scheduler never touches tensors.
+admitted in the policy's order (``policies.py``: FCFS or priority), reusing prefix-cache hits and
+skipping requests that are not ready yet (remote KV on the wire, a grammar compiling). Chunked
+prefill, prefix hits and preemption all fall out of the two counters. The scheduler never touches
+tensors.
+
+KV blocks enter the prefix cache only once written: ``update_from_output`` registers the full blocks
+the step computed, so a step that fails (``abort_step``) leaves no block hashable that it did not
+write. A request whose first tokens' KV comes from elsewhere (``add_remote_kv_request``) owns its
+blocks while WAITING_FOR_REMOTE_KV, and becomes admissible with ``mark_remote_kv_ready``.
 
 Speculative decoding (vLLM v1's design): a decode with s draft tokens asks for 1 + s tokens under the
 same budget; after the step ``num_computed_tokens`` advances only over the accepted part (the rejected
@@ -16,11 +23,10 @@ checks one by one, and the runner's new drafts are stored on the request for the
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 
 from tandem.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from tandem.errors import ContextLengthExceededError, DuplicateRequestError
 from tandem.kv_cache.manager import KVCacheManager, cdiv
 from tandem.outputs import (
     EngineCoreOutput,
@@ -30,19 +36,11 @@ from tandem.outputs import (
     SchedulerOutput,
 )
 from tandem.request import Request, RequestStatus
+from tandem.scheduler.integrity import check_scheduler
+from tandem.scheduler.policies import make_waiting_queue
+from tandem.scheduler.results import append_tokens, make_output, verify_counts
+from tandem.scheduler.stats import SchedulerStats
 from tandem.spec_decode.metrics import SpecDecodeStats
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    """A snapshot for metrics: queue sizes, KV usage (0..1) and cumulative counters (tokens, events)."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
 
 
 class Scheduler:
@@ -56,6 +54,7 @@ class Scheduler:
         speculative_config: speculative decoding settings, or None. With a draft model, rows that sample
             for a speculating request also reserve ``num_speculative_tokens`` lookahead slots, where the
             draft writes the K/V of its proposals.
+        clock: monotonic clock (seconds) for KV lease expiry; tests inject a fake one.
 
     ``self.max_model_len`` is ``min(max_model_len, num_blocks * block_size)``: a request alone must
     fit in the pool, otherwise it would preempt itself forever. So a pool smaller than the context
@@ -69,19 +68,22 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         speculative_config: SpeculativeConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching)
+                                               cache_config.enable_prefix_caching, clock=clock)
         self.max_model_len = min(max_model_len, num_blocks * cache_config.block_size)
         self.requests: dict[str, Request] = {}  # unfinished requests (waiting or running), by id
-        self.waiting: deque[Request] = deque()  # WAITING or PREEMPTED, oldest first
+        self.waiting = make_waiting_queue(scheduler_config.policy)  # WAITING, PREEMPTED, WAITING_FOR_REMOTE_KV
         self.running: list[Request] = []  # RUNNING, in admission order (last = newest)
+        self.remote_kv_tokens: dict[str, int] = {}  # WAITING_FOR_REMOTE_KV id -> tokens whose KV will arrive
         self._finished_ids: set[str] = set()  # finished or aborted since the last schedule()
         self.num_preemptions_total = 0
+        self.num_steps = 0  # steps whose results were applied (update_from_output)
         spec = speculative_config
         self.num_lookahead_tokens = spec.num_speculative_tokens if spec and spec.uses_draft_model else 0
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec else None
@@ -103,18 +105,67 @@ class Scheduler:
         return bool(self.requests)
 
     def add_request(self, request: Request) -> None:
-        """Queues a new request at the tail of the waiting queue (status WAITING).
+        """Queues a new request in the waiting queue (status WAITING), in the policy's order.
 
         ``request.max_tokens`` must already be resolved (effective max new tokens, >= 1).
         Changes: the waiting queue and the request's status.
 
         Raises:
-            ValueError: a duplicate id, an empty prompt, ``max_tokens < 1``, or a prompt longer than
-                ``self.max_model_len`` (in particular one needing more blocks than the whole pool).
+            DuplicateRequestError: the id is already queued or running (a ``ValueError``).
+            ContextLengthExceededError: the prompt is longer than ``self.max_model_len`` (a ``ValueError``).
+            ValueError: an empty prompt, ``max_tokens < 1``, or a prompt needing more blocks than the pool.
         """
+        self._validate_new(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def add_remote_kv_request(self, request: Request, num_remote_tokens: int) -> list[int] | None:
+        """Admits a request whose first ``num_remote_tokens`` tokens' KV will be written by someone else.
+
+        Allocates blocks for those tokens now and queues the request as WAITING_FOR_REMOTE_KV: the
+        policy skips it (without blocking others) until ``mark_remote_kv_ready``. The caller writes
+        the KV into the returned blocks (``ModelRunner.write_kv_blocks``). At least the last prompt
+        token is computed locally, so ``num_remote_tokens < num_prompt_tokens``.
+
+        Returns:
+            The request's block table (ids covering ``num_remote_tokens`` tokens), or None when the
+            pool lacks free blocks now (then nothing changed; retry later).
+        Changes: block tables, the waiting queue, the request's status.
+        Raises:
+            As ``add_request``; ValueError: ``num_remote_tokens`` outside ``[1, num_prompt_tokens - 1]``.
+        """
+        self._validate_new(request)
+        if not 1 <= num_remote_tokens < request.num_prompt_tokens:
+            raise ValueError(f"request {request.request_id!r}: num_remote_tokens must be in "
+                             f"[1, {request.num_prompt_tokens - 1}], got {num_remote_tokens}")
+        block_ids = self.kv_cache_manager.allocate_slots(request, num_remote_tokens)
+        if block_ids is None:
+            return None
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+        self.remote_kv_tokens[request.request_id] = num_remote_tokens
+        self.waiting.add(request)
+        return block_ids
+
+    def mark_remote_kv_ready(self, request_id: str) -> None:
+        """The remote KV of a WAITING_FOR_REMOTE_KV request is in its blocks: they become written.
+
+        Changes: the request's ``num_computed_tokens`` (= its remote tokens) and status (WAITING);
+        its full blocks enter the prefix cache.
+        Raises:
+            KeyError: no such request waits for remote KV.
+        """
+        num_tokens = self.remote_kv_tokens.pop(request_id)
+        request = self.requests[request_id]
+        request.num_computed_tokens = num_tokens
+        self.kv_cache_manager.cache_written_blocks(request)
+        request.status = RequestStatus.WAITING
+
+    def _validate_new(self, request: Request) -> None:
         rid, num_prompt = request.request_id, request.num_prompt_tokens
         if rid in self.requests:
-            raise ValueError(f"request id {rid!r} is already in the scheduler")
+            raise DuplicateRequestError(rid)
         if num_prompt == 0:
             raise ValueError(f"request {rid!r} has an empty prompt")
         if request.max_tokens < 1:
@@ -126,12 +177,12 @@ class Scheduler:
                 f"request {rid!r}: the prompt of {num_prompt} tokens needs {num_needed} "
                 f"KV blocks but the whole pool has {self.kv_cache_manager.num_blocks} ({pool_tokens} tokens)"
             )
+        if request.kv_lease_id is not None and request.kv_lease_id in self.kv_cache_manager.leases:
+            raise ValueError(f"request {rid!r}: KV lease {request.kv_lease_id!r} is already in use")
         if num_prompt > self.max_model_len:
-            raise ValueError(f"request {rid!r}: prompt of {num_prompt} tokens exceeds max_model_len "
-                             f"{self.max_model_len}")
-        request.status = RequestStatus.WAITING
-        self.requests[rid] = request
-        self.waiting.append(request)
+            raise ContextLengthExceededError(
+                f"request {rid!r}: prompt of {num_prompt} tokens exceeds max_model_len {self.max_model_len}",
+                num_prompt, self.max_model_len)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Ends these requests wherever they are (status FINISHED_ABORTED); unknown ids are ignored.
@@ -139,6 +190,9 @@ class Scheduler:
         Changes: frees all their KV blocks at once, drops them from the queues, and reports them in
         the next ``SchedulerOutput.finished_request_ids``. Call between steps (not between
         ``schedule`` and ``update_from_output``, whose blocks the runner is writing).
+        A request still WAITING_FOR_REMOTE_KV has its blocks held under the lease
+        ``f"aborted-remote:{request_id}"`` instead (a transfer may still be writing them): the
+        connector releases it once the transfer stopped, or it expires.
         """
         aborted = {rid for rid in request_ids if rid in self.requests}
         if not aborted:
@@ -146,10 +200,26 @@ class Scheduler:
         for rid in aborted:
             request = self.requests.pop(rid)
             request.status = RequestStatus.FINISHED_ABORTED
-            self.kv_cache_manager.free(request)
-        self.waiting = deque(r for r in self.waiting if r.request_id not in aborted)
+            if self.remote_kv_tokens.pop(rid, None) is not None:
+                self.kv_cache_manager.hold(request, f"aborted-remote:{rid}")
+            else:
+                self.kv_cache_manager.free(request)
+        self.waiting.remove_ids(aborted)
         self.running = [r for r in self.running if r.request_id not in aborted]
         self._finished_ids |= aborted
+
+    def abort_step(self, scheduler_output: SchedulerOutput) -> list[str]:
+        """Rolls back a step whose execution failed: aborts its scheduled requests; returns their ids.
+
+        The step's blocks were allocated but never registered in the prefix cache (that happens in
+        ``update_from_output``), so freeing them leaves the cache as if the step never ran; the
+        runner drops the requests' state at the next step (``finished_request_ids``).
+        Changes: as ``abort_requests``.
+        """
+        ids = [row.request_id for row in scheduler_output.scheduled if row.request_id in self.requests]
+        self.abort_requests(ids)
+        self._finished_ids |= scheduler_output.finished_request_ids  # the runner may not have seen them
+        return ids
 
     # ---- schedule -----------------------------------------------------------------------------
 
@@ -157,7 +227,8 @@ class Scheduler:
         """Picks this step's requests and token counts within the budget.
 
         Running requests first (in order), preempting the newest running ones when blocks run out;
-        then, if nothing was preempted, waiting requests FCFS until one does not fit.
+        then, if nothing was preempted, ready waiting requests in policy order until one does not
+        fit (requests that are not ready are skipped and keep their place).
         Changes: queues, statuses, block tables, ``num_computed_tokens`` of admitted requests (set to
         their prefix hit) and of preempted ones (reset to 0), ``num_cached_tokens`` and
         ``first_scheduled_time`` on a first admission, the preemption counters; hands over and
@@ -212,32 +283,46 @@ class Scheduler:
         request.spec_token_ids = []  # NOTE: drafts are proposed again once the request has caught up
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(request)
+        self.waiting.add_preempted(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        kv = self.kv_cache_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            hit_ids, num_hit = kv.get_computed_blocks(request)
-            n = self._chunk_size(request, num_hit, budget)
-            num_slots = n + self._num_lookahead(request, num_hit, n)
-            block_ids = kv.allocate_slots(request, num_slots, hit_ids, num_hit)
-            if block_ids is None:
-                break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
-                out.new_requests.append(NewRequestData(
-                    request.request_id, list(request.prompt_token_ids), list(request.output_token_ids),
-                    request.sampling_params, request.eos_token_ids,
-                ))
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit
-            request.num_computed_tokens = num_hit
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append(self._row(request, n, block_ids))
+        for request in self.waiting:  # a snapshot, in policy order
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if not request.is_ready():
+                continue  # skipped, keeps its place, blocks nobody
+            n = self._admit(out, request, budget)
+            if n == 0:
+                return  # no ready request overtakes one that does not fit
             budget -= n
+
+    def _admit(self, out: SchedulerOutput, request: Request, budget: int) -> int:
+        """Moves a ready waiting request to running with its first chunk; returns its tokens (0: no room)."""
+        kv = self.kv_cache_manager
+        if request.num_computed_tokens > 0:  # its first tokens' KV came from elsewhere, blocks owned
+            hit_ids, num_hit, start = [], 0, request.num_computed_tokens
+        else:
+            hit_ids, num_hit = kv.get_computed_blocks(request)
+            start = num_hit
+        n = self._chunk_size(request, start, budget)
+        num_slots = n + self._num_lookahead(request, start, n)
+        block_ids = kv.allocate_slots(request, num_slots, hit_ids, num_hit)
+        if block_ids is None:
+            return 0
+        self.waiting.remove(request)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+            out.new_requests.append(NewRequestData(
+                request.request_id, list(request.prompt_token_ids), list(request.output_token_ids),
+                request.sampling_params, request.eos_token_ids,
+            ))
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit
+        request.num_computed_tokens = start
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.scheduled.append(self._row(request, n, block_ids))
+        return n
 
     def _plan_tokens(self, request: Request, start: int, budget: int) -> tuple[int, int]:
         """(tokens to compute from ``start``, of which draft tokens) for a running request.
@@ -295,9 +380,11 @@ class Scheduler:
             One ``EngineCoreOutput`` per request that got new tokens or finished.
         Changes: ``num_computed_tokens``, ``output_token_ids``, ``spec_token_ids`` (replaced by the
         runner's new drafts), draft counters, status and ``stop_reason`` of the scheduled requests and
-        ``spec_stats``; frees finished requests' blocks at once and queues their ids for the next
-        ``finished_request_ids``.
+        ``spec_stats``; registers the full blocks the step wrote in the prefix cache; frees finished
+        requests' blocks at once (or holds them under ``request.kv_lease_id``) and queues their ids
+        for the next ``finished_request_ids``; ``num_steps``.
         """
+        self.num_steps += 1
         outputs: list[EngineCoreOutput] = []
         any_finished = False
         for row in scheduler_output.scheduled:
@@ -306,80 +393,27 @@ class Scheduler:
                 continue  # aborted since schedule()
             sampled = runner_output.sampled_token_ids.get(row.request_id, [])
             assert row.sample or not sampled, f"runner sampled for {row.request_id} without sample=True"
-            num_rejected = self._verify_counts(request, row, sampled)
+            num_rejected = verify_counts(request, row, sampled, self.spec_stats)
             request.num_computed_tokens += row.num_scheduled_tokens - num_rejected
+            self.kv_cache_manager.cache_written_blocks(request)  # the step ran: its KV is written
             request.spec_token_ids = list(runner_output.spec_token_ids.get(row.request_id, ()))
-            new_token_ids = self._append_tokens(request, sampled)
+            new_token_ids = append_tokens(request, sampled, self.max_model_len)
             if request.status.finished:
                 self._free_finished(request)
                 any_finished = True
             if new_token_ids or request.status.finished:
-                outputs.append(self._make_output(request, new_token_ids, runner_output))
+                outputs.append(make_output(request, new_token_ids, runner_output))
         if any_finished:
             self.running = [r for r in self.running if not r.status.finished]
         return outputs
 
-    def _verify_counts(self, request: Request, row: ScheduledRequest, sampled: list[int]) -> int:
-        """Counts a row's accepted drafts in the stats; returns how many of its drafts were rejected."""
-        num_spec = row.num_spec_tokens
-        if num_spec == 0:
-            return 0
-        num_accepted = len(sampled) - 1
-        assert 0 <= num_accepted <= num_spec and sampled[:num_accepted] == row.spec_token_ids[:num_accepted], (
-            f"runner returned {sampled} for drafts {row.spec_token_ids} of {row.request_id}")
-        request.num_draft_tokens += num_spec
-        request.num_accepted_tokens += num_accepted
-        if self.spec_stats is not None:
-            self.spec_stats.observe(num_spec, num_accepted)
-        return num_spec - num_accepted
-
-    def _append_tokens(self, request: Request, sampled: list[int]) -> list[int]:
-        new_token_ids: list[int] = []
-        for token_id in sampled:
-            request.output_token_ids.append(token_id)
-            new_token_ids.append(token_id)
-            if self._check_stop(request, token_id):
-                break
-        return new_token_ids
-
-    def _check_stop(self, request: Request, token_id: int) -> bool:
-        """Sets a finished status (and ``stop_reason``) if ``token_id``, just appended, ends the request."""
-        params = request.sampling_params
-        # NOTE: the first min_tokens tokens never stop; the sampler also masks them (vLLM's min_tokens).
-        if request.num_output_tokens > params.min_tokens:
-            if token_id in params.stop_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = token_id
-                return True
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = None
-                return True
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
-            request.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
-
     def _free_finished(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+        if request.kv_lease_id is not None:
+            self.kv_cache_manager.hold(request, request.kv_lease_id)
+        else:
+            self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_ids.add(request.request_id)
-
-    def _make_output(
-        self, request: Request, new_token_ids: list[int], runner_output: ModelRunnerOutput
-    ) -> EngineCoreOutput:
-        logprobs = runner_output.logprobs.get(request.request_id)
-        return EngineCoreOutput(
-            request_id=request.request_id,
-            new_token_ids=new_token_ids,
-            new_logprobs=None if logprobs is None else logprobs[: len(new_token_ids)],
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            num_draft_tokens=request.num_draft_tokens,
-            num_accepted_tokens=request.num_accepted_tokens,
-        )
 
     # ---- introspection ------------------------------------------------------------------------
 
@@ -388,34 +422,13 @@ class Scheduler:
         """Fraction of KV blocks owned by requests (0..1)."""
         return self.kv_cache_manager.usage
 
-    def make_stats(self) -> SchedulerStats:
-        """A metrics snapshot. Changes nothing."""
-        kv = self.kv_cache_manager
-        return SchedulerStats(
-            num_running=len(self.running), num_waiting=len(self.waiting), kv_cache_usage=kv.usage,
-            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
-            num_preemptions=self.num_preemptions_total,
-        )
+    def make_stats(self, proposer_stats: dict[str, float] | None = None) -> SchedulerStats:
+        """A metrics snapshot; ``proposer_stats`` are the runner's proposer counters. Changes nothing."""
+        return SchedulerStats.of(self, proposer_stats)
 
     def check(self) -> None:
-        """Verifies queue/status/block-table consistency and the KV cache invariants. Changes nothing.
+        """Verifies queues, statuses, block owners and the KV cache invariants (``integrity.py``).
 
-        Raises:
-            AssertionError: an inconsistency (a bug, never a user error).
+        Changes nothing. Raises AssertionError on an inconsistency (a bug, never a user error).
         """
-        running_ids = {r.request_id for r in self.running}
-        waiting_ids = {r.request_id for r in self.waiting}
-        problems = [
-            (not running_ids & waiting_ids, "a request is both running and waiting"),
-            (running_ids | waiting_ids == set(self.requests), "queues and the request map disagree"),
-            (len(running_ids) == len(self.running) and len(waiting_ids) == len(self.waiting), "duplicates"),
-            (all(r.status is RequestStatus.RUNNING for r in self.running), "a running request's status"),
-            (all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in self.waiting),
-             "a waiting request has a wrong status"),
-            (self.kv_cache_manager.request_ids == running_ids, "block owners are not the running requests"),
-            (len(self.running) <= self.config.max_num_seqs, "more running requests than max_num_seqs"),
-        ]
-        for ok, message in problems:
-            if not ok:
-                raise AssertionError(f"scheduler integrity: {message}")
-        self.kv_cache_manager.check()
+        check_scheduler(self)

@@ -43,9 +43,19 @@ class SpecDecodeStats:
     @property
     def acceptance_rate(self) -> float:
         """Accepted draft tokens / verified draft tokens (0.0 before any draft)."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        return acceptance_rate(self.num_accepted_tokens, self.num_draft_tokens)
 
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens produced per verification step: 1 (the target's own token) + accepted drafts per step."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+        return mean_acceptance_length(self.num_accepted_tokens, self.num_drafts)
+
+
+def acceptance_rate(num_accepted_tokens: int, num_draft_tokens: int) -> float:
+    """Accepted / verified draft tokens (0.0 before any draft)."""
+    return num_accepted_tokens / num_draft_tokens if num_draft_tokens else 0.0
+
+
+def mean_acceptance_length(num_accepted_tokens: int, num_drafts: int) -> float:
+    """Tokens per verification step: 1 + accepted drafts per step (0.0 before any draft)."""
+    return 1.0 + num_accepted_tokens / num_drafts if num_drafts else 0.0

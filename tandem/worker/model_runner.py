@@ -17,13 +17,13 @@ import logging
 import platform
 from pathlib import Path
 
-import psutil
 import torch
 
 from tandem.attention import AttentionBackend, AttentionMetadata, token_positions
 from tandem.config import ConfigError, EngineConfig
 from tandem.kernels import registry
-from tandem.kv_cache.storage import bytes_per_block, kv_cache_shape
+from tandem.kv_cache import transfer
+from tandem.kv_cache.storage import bytes_per_block, check_kv_memory, kv_cache_shape
 from tandem.models.hf_config import HFModelConfig, load_hf_config
 from tandem.models.llama import KVCache
 from tandem.models.loader import DTYPES, load_model
@@ -60,9 +60,6 @@ def resolve_context_len(requested: int | None, hf: HFModelConfig) -> int:
         )
     return requested
 
-
-# Largest share of the currently available memory the KV cache may take.
-KV_MEMORY_FRACTION = 0.9
 
 # glibc mallopt() parameters (malloc.h) and values: blocks up to 32 MiB (the documented maximum of
 # M_MMAP_THRESHOLD on 64-bit) come from the heap, whose free top is kept up to 1 GiB.
@@ -129,9 +126,10 @@ class ModelRunner:
         self.dtype = DTYPES[engine_config.model.dtype]
         self.dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
         self.block_size = engine_config.cache.block_size
-        # NOTE: unseeded random sampling draws from torch's global generator; seeding it makes a whole
-        # run reproducible (requests with their own seed use their own generator).
-        torch.manual_seed(engine_config.model.seed)
+        # NOTE: unseeded requests draw from this engine's own generator (never torch's global one), so
+        # a run is reproducible from the config seed and two engines in one process do not interfere;
+        # a request with its own seed uses its own generator.
+        self.generator = torch.Generator().manual_seed(engine_config.model.seed)
         self.model = load_model(
             Path(model_dir), self.hf_config, self.dtype, self.max_model_len, backend, progress=progress
         )
@@ -156,29 +154,52 @@ class ModelRunner:
         return bytes_per_block(block_size, hf.num_layers, hf.num_kv_heads, hf.head_dim, self.dtype_bytes)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate zeroed per-layer ``k_cache, v_cache [num_blocks, block_size, KV, D]`` (model dtype).
+        """Allocate zeroed per-layer ``k_cache, v_cache [num_blocks, block_size, KV, D]`` (model dtype),
+        and the draft model's cache on the same block ids.
 
         Changes: replaces ``kv_caches`` and ``num_blocks`` (any cached K/V is dropped).
 
         Raises:
-            ConfigError: the cache (zero-filled, so all of it resident) exceeds ``KV_MEMORY_FRACTION`` of
-                the memory available now.
+            ConfigError: target + draft caches (zero-filled, so all resident) exceed
+                ``storage.KV_MEMORY_FRACTION`` of the memory available now (``storage.check_kv_memory``).
         """
-        needed = num_blocks * self.kv_cache_bytes_per_block(self.block_size)
-        available = psutil.virtual_memory().available
-        # NOTE: 10% of what is free stays free (activations, logits, the front end, the OS).
-        if needed > KV_MEMORY_FRACTION * available:
-            raise ConfigError(
-                f"the KV cache needs {needed / (1 << 30):.2f} GiB but only {available / (1 << 30):.2f} GiB of "
-                f"memory is available (at most {KV_MEMORY_FRACTION:.0%} of it is used); lower --kv-cache-gib "
-                f"(or --num-kv-blocks)"
-            )
+        draft_bytes = self.speculator.kv_cache_bytes_per_block() if self.speculator is not None else 0
+        needed = check_kv_memory(num_blocks, self.kv_cache_bytes_per_block(self.block_size) + draft_bytes)
         self.kv_caches = self._allocate_kv(num_blocks)
         self.num_blocks = num_blocks
         if self.speculator is not None:
             self.speculator.initialize_kv_cache(num_blocks)
-        logger.info("KV cache: %d blocks, %.3f GiB", num_blocks,
-                    num_blocks * self.kv_cache_bytes_per_block(self.block_size) / (1 << 30))
+        logger.info("KV cache: %d blocks, %.3f GiB (target + draft)", num_blocks, needed / (1 << 30))
+
+    def _all_kv_caches(self) -> list[list[KVCache]]:
+        caches = [self.kv_caches]
+        draft = self.speculator.draft if self.speculator is not None else None
+        if draft is not None:
+            caches.append(draft.kv_caches)
+        return caches
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """Copies of the KV of ``block_ids``: the target's buffer, then the draft model's (if any).
+
+        Each buffer is ``[num_layers, 2 (K, V), len(block_ids), block_size, num_kv_heads, head_dim]``
+        of that model, in its cache dtype, contiguous (``kv_cache/transfer.py``). Changes nothing.
+        Raises:
+            ValueError: the KV cache is not initialized, or a block id is outside it.
+        """
+        return [transfer.read_blocks(caches, block_ids) for caches in self._all_kv_caches()]
+
+    def write_kv_blocks(self, block_ids: list[int], buffers: list[torch.Tensor]) -> None:
+        """Writes buffers shaped as ``read_kv_blocks`` returns into ``block_ids`` (target, then draft).
+
+        Changes: those blocks' K/V in every layer of each cache.
+        Raises:
+            ValueError: not one buffer per cache, a shape mismatch, or a bad block id.
+        """
+        caches = self._all_kv_caches()
+        if len(buffers) != len(caches):
+            raise ValueError(f"{len(buffers)} KV buffers for {len(caches)} caches (target, then draft)")
+        for cache, buffer in zip(caches, buffers, strict=True):
+            transfer.write_blocks(cache, block_ids, buffer)
 
     def _allocate_kv(self, num_blocks: int) -> list[KVCache]:
         hf = self.hf_config
@@ -257,7 +278,8 @@ class ModelRunner:
             self.speculator.remove(scheduler_output.finished_request_ids)
         for new in scheduler_output.new_requests:
             self.states[new.request_id] = SamplingState.create(
-                new.sampling_params, new.prompt_token_ids, new.output_token_ids, new.eos_token_ids
+                new.sampling_params, new.prompt_token_ids, new.output_token_ids, new.eos_token_ids,
+                default_generator=self.generator,
             )
 
     def _state(self, request_id: str) -> SamplingState:

@@ -6,9 +6,17 @@ import random
 
 import pytest
 
-from tandem.config import ConfigError
+from tandem.config import CacheConfig, ConfigError
 from tandem.kv_cache.manager import KVCacheManager
-from tandem.kv_cache.storage import bytes_per_block, kv_cache_shape, num_blocks_for_budget, slot_of
+from tandem.kv_cache.storage import (
+    GIB,
+    bytes_per_block,
+    check_kv_memory,
+    kv_cache_shape,
+    num_blocks_for_budget,
+    plan_num_blocks,
+    slot_of,
+)
 from tandem.request import Request
 from tandem.sampling_params import SamplingParams
 
@@ -18,12 +26,14 @@ def make_request(rid: str, prompt: list[int]) -> Request:
 
 
 def start(kv: KVCacheManager, req: Request, num_tokens: int | None = None) -> list[int] | None:
-    """What the scheduler does for a waiting request: prefix hit, then allocate the rest."""
+    """What the scheduler does for a waiting request: prefix hit, allocate the rest, and (once the
+    step ran) mark the computed tokens written."""
     hit_ids, num_hit = kv.get_computed_blocks(req)
     n = (req.num_tokens - num_hit) if num_tokens is None else num_tokens
     table = kv.allocate_slots(req, n, hit_ids, num_hit)
     if table is not None:
         req.num_computed_tokens = num_hit + n
+        kv.cache_written_blocks(req)
     return table
 
 
@@ -54,6 +64,23 @@ def test_budget_below_two_blocks_raises():
         num_blocks_for_budget(1.5 * per_block / (1 << 30), 16, 30, 3, 64, 2)
     with pytest.raises(ConfigError, match="kv_cache_gib must be > 0"):
         num_blocks_for_budget(0, 16, 30, 3, 64, 2)
+
+
+def test_plan_num_blocks_shares_the_budget_between_target_and_draft():
+    cache = CacheConfig(block_size=16, kv_cache_gib=1.0)
+    assert plan_num_blocks(cache, 368_640, 0, max_num_seqs=1000, max_model_len=4096) == 2912
+    # a draft of a third of the target's size: each block costs both caches
+    assert plan_num_blocks(cache, 368_640, 122_880, 1000, 4096) == GIB // (368_640 + 122_880) == 2184
+    assert plan_num_blocks(cache, 368_640, 122_880, max_num_seqs=2, max_model_len=64) == 2 * 2 * 4  # useful cap
+    assert plan_num_blocks(CacheConfig(block_size=16, num_blocks=7), 368_640, 122_880, 1, 64) == 7
+    with pytest.raises(ConfigError, match="holds 1 KV block.*target \\+ draft caches"):
+        plan_num_blocks(CacheConfig(kv_cache_gib=600_000 / GIB), 300_000, 200_000, 1, 64)  # target alone: 2
+
+
+def test_check_kv_memory_keeps_ten_percent_free():
+    assert check_kv_memory(9, 100, available_bytes=1000) == 900
+    with pytest.raises(ConfigError, match="the KV cache needs"):
+        check_kv_memory(10, 91, available_bytes=1000)
 
 
 def test_kv_cache_shape_and_slot():
@@ -183,6 +210,7 @@ def test_blocks_filled_by_decode_are_cached():
         a.output_token_ids.append(token)
         assert kv.allocate_slots(a, 1) is not None
         a.num_computed_tokens += 1
+        kv.cache_written_blocks(a)
     kv.free(a)
     b = make_request("b", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     assert kv.get_computed_blocks(b) == ([0, 1], 8)  # block 1 was completed by output token 8
@@ -260,6 +288,7 @@ def _compute(stores: dict, kv: KVCacheManager, req: Request, n: int, block_size:
     for pos in range(req.num_computed_tokens, req.num_computed_tokens + n):
         stores[slot_of(table, pos, block_size)] = tuple(tokens[: pos + 1])
     req.num_computed_tokens += n
+    kv.cache_written_blocks(req)
 
 
 def _check_contents(stores: dict, req: Request, hit_ids: list[int], num_hit: int, block_size: int) -> None:
