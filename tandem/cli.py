@@ -43,7 +43,8 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_bind_default: str = "none") 
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads (default: the allowed cores, capped by the cgroup CPU quota)")
     p.add_argument("--cpu-bind", default=cpu_bind_default, metavar="auto|none|LIST",
                    help="pin OpenMP thread i of the engine to core i: 'auto' (all allowed cores, one left to the "
                         "server front end from 4 cores on), 'none', or a core list like '0-3,6' "

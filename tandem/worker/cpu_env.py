@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,9 +31,27 @@ from tandem.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
+# libgomp's busy-wait before an idle OpenMP thread sleeps on a futex, in spin iterations (its default,
+# 300000, is about a millisecond: a thread whose partner was descheduled burns its co-tenant's share of
+# the core waiting at each barrier). Set before torch loads libgomp (``apply_omp_wait_default``).
+OMP_SPINCOUNT = "10000"
+
 # "auto" keeps one core for the front end only from this many allowed cores on: with fewer, the
 # engine's compute is worth more than an idle front end's core (on 2 cores both go to the engine).
 AUTO_RESERVE_MIN_CORES = 4
+
+
+def apply_omp_wait_default(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Sets ``GOMP_SPINCOUNT=OMP_SPINCOUNT`` in ``environ`` (default ``os.environ``) unless the user chose a
+    wait policy (``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set) or ``TANDEM_OMP_WAIT=keep``. Returns whether
+    it set it. Only effective before libgomp starts (before ``import torch``): ``tandem/__init__.py`` calls
+    it, and spawned engine-core processes inherit the variable. Changes: ``environ``.
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("TANDEM_OMP_WAIT") == "keep" or "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+        return False
+    environ["GOMP_SPINCOUNT"] = OMP_SPINCOUNT
+    return True
 
 
 def available_cores() -> int:
@@ -229,6 +248,7 @@ def bind_engine_threads(cpus: list[int]) -> str:
     """
     import torch
 
+    from tandem.kernels import registry
     from tandem.kernels.build import load_extension
 
     try:
@@ -236,10 +256,9 @@ def bind_engine_threads(cpus: list[int]) -> str:
     except OSError as e:
         raise ConfigError(f"cannot pin the engine to cores {cpus}: {e.strerror or e}") from e
     torch.set_num_threads(len(cpus))
-    ext = load_extension()
-    if ext is None or not hasattr(ext, "bind_omp_threads"):
+    if not registry.use("bind_omp_threads"):
         return "process"
-    ext.bind_omp_threads(cpus)
+    load_extension().bind_omp_threads(cpus)
     return "per-thread"
 
 

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from tandem.worker.cpu_env import CpuPlan, cgroup_cpu_quota, default_num_threads, plan_cpus
+from tandem.worker.cpu_env import (
+    OMP_SPINCOUNT,
+    CpuPlan,
+    apply_omp_wait_default,
+    cgroup_cpu_quota,
+    default_num_threads,
+    plan_cpus,
+)
 
 
 def write(path: Path, text: str) -> None:
@@ -79,3 +86,11 @@ def test_plan_follows_the_quota() -> None:
     assert plan_cpus("auto", None, cores, quota=None) == CpuPlan(cores[1:], 7, [0])  # one core to the front end
     assert plan_cpus("auto", 4, cores, quota=2.0) == CpuPlan([4, 5, 6, 7], 4, [0, 1, 2, 3])  # explicit wins
     assert plan_cpus("0-1", None, cores, quota=1.0) == CpuPlan([0, 1], 2, [2, 3, 4, 5, 6, 7])
+
+
+def test_omp_wait_default_respects_the_users_choice() -> None:
+    env: dict[str, str] = {}
+    assert apply_omp_wait_default(env) and env == {"GOMP_SPINCOUNT": OMP_SPINCOUNT}
+    for chosen in ({"OMP_WAIT_POLICY": "active"}, {"GOMP_SPINCOUNT": "300000"}, {"TANDEM_OMP_WAIT": "keep"}):
+        env = dict(chosen)
+        assert not apply_omp_wait_default(env) and env == chosen
