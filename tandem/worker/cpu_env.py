@@ -31,10 +31,13 @@ from tandem.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# libgomp's busy-wait before an idle OpenMP thread sleeps on a futex, in spin iterations (its default,
-# 300000, is about a millisecond: a thread whose partner was descheduled burns its co-tenant's share of
-# the core waiting at each barrier). Set before torch loads libgomp (``apply_omp_wait_default``).
-OMP_SPINCOUNT = "10000"
+# Tandem's OpenMP wait policy: idle threads sleep (futex) instead of spinning. libgomp's default spins
+# 300000 iterations at each barrier, so a thread whose partner was descheduled burns its co-tenant's
+# share of the core. Measured with benchmarks/contention_bench.py (default model, 2 threads, 2 cores,
+# one busy process per core): spin 0.06x of the unloaded rate, GOMP_SPINCOUNT=10000 0.34x, =1000 0.22x,
+# passive 0.49x (the goal is 0.45x); with only other tenants' load, passive was 2.7-5.5x faster than
+# spinning. Set before torch loads libgomp (``apply_omp_wait_default``).
+OMP_WAIT_DEFAULTS = {"OMP_WAIT_POLICY": "passive"}
 
 # "auto" keeps one core for the front end only from this many allowed cores on: with fewer, the
 # engine's compute is worth more than an idle front end's core (on 2 cores both go to the engine).
@@ -42,15 +45,15 @@ AUTO_RESERVE_MIN_CORES = 4
 
 
 def apply_omp_wait_default(environ: MutableMapping[str, str] | None = None) -> bool:
-    """Sets ``GOMP_SPINCOUNT=OMP_SPINCOUNT`` in ``environ`` (default ``os.environ``) unless the user chose a
-    wait policy (``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set) or ``TANDEM_OMP_WAIT=keep``. Returns whether
-    it set it. Only effective before libgomp starts (before ``import torch``): ``tandem/__init__.py`` calls
-    it, and spawned engine-core processes inherit the variable. Changes: ``environ``.
+    """Sets ``OMP_WAIT_DEFAULTS`` in ``environ`` (default ``os.environ``) unless the user chose a wait policy
+    (``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set) or ``TANDEM_OMP_WAIT=keep``. Returns whether it did.
+    Only effective before libgomp starts (before ``import torch``): ``tandem/__init__.py`` calls it, and
+    spawned engine-core processes inherit the variable. Changes: ``environ``.
     """
     environ = os.environ if environ is None else environ
     if environ.get("TANDEM_OMP_WAIT") == "keep" or "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
         return False
-    environ["GOMP_SPINCOUNT"] = OMP_SPINCOUNT
+    environ.update(OMP_WAIT_DEFAULTS)
     return True
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tandem.worker.cpu_env import (
-    OMP_SPINCOUNT,
+    OMP_WAIT_DEFAULTS,
     CpuPlan,
     apply_omp_wait_default,
     cgroup_cpu_quota,
@@ -90,7 +90,7 @@ def test_plan_follows_the_quota() -> None:
 
 def test_omp_wait_default_respects_the_users_choice() -> None:
     env: dict[str, str] = {}
-    assert apply_omp_wait_default(env) and env == {"GOMP_SPINCOUNT": OMP_SPINCOUNT}
+    assert apply_omp_wait_default(env) and env == OMP_WAIT_DEFAULTS == {"OMP_WAIT_POLICY": "passive"}
     for chosen in ({"OMP_WAIT_POLICY": "active"}, {"GOMP_SPINCOUNT": "300000"}, {"TANDEM_OMP_WAIT": "keep"}):
         env = dict(chosen)
         assert not apply_omp_wait_default(env) and env == chosen
