@@ -117,7 +117,6 @@ class ModelRunner:
     ) -> None:
         # NOTE: before anything loads a kernel variant (configure_threads binds threads through one).
         registry.configure(engine_config.model.kernel_backend)
-        self.kernel_status = registry.log_status(logger)
         self.num_threads = configure_threads(engine_config.num_threads, engine_config.cpu_bind)
         keep_freed_memory()
         self.config = engine_config
@@ -147,6 +146,8 @@ class ModelRunner:
         self.states: dict[str, SamplingState] = {}
         self.kv_caches: list[KVCache] = []
         self.num_blocks = 0
+        # NOTE: once the model loaded: a start-up that fails says only why (one line), not the kernel path.
+        self.kernel_status = registry.log_status(logger)
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes one KV block of ``block_size`` tokens takes across all layers (K and V)."""

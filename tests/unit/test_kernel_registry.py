@@ -163,3 +163,10 @@ def test_torch_backend_dequantizes_a_quantized_layer_once(fake_variant, monkeypa
     ref = (x.float() @ real("q4_1", layer.qweight, layer.scale).T)
     torch.testing.assert_close(outs[1].float(), ref, rtol=2**-8, atol=1e-3)
     assert "qweight" in layer.state_dict() and "dense" not in layer.state_dict()
+
+
+def test_the_avx512_build_defines_every_operator_the_registry_declares_for_it() -> None:
+    import re
+
+    defined = set(re.findall(r'm\.def\("(\w+)"', (build.CSRC / "bindings.cpp").read_text()))
+    assert defined == {op for op, limits in registry.LIMITS.items() if "avx512_bf16" in limits}
