@@ -1,4 +1,4 @@
-"""Command line: ``tandem generate | chat | serve | bench``. Flags use vLLM's spelling."""
+"""Command line: ``tandem generate | chat | serve | engine | bench``. Flags use vLLM's spelling."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import sys
 
 from tandem.config import (
+    DEFAULT_MAX_QUEUE_LEN,
     KERNEL_BACKENDS,
     QUANTIZATION_METHODS,
     SELF_QUANT_TYPES,
@@ -14,6 +15,7 @@ from tandem.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -134,24 +136,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+CHAT_HELP = "tandem chat: type a message; /reset clears the history, /exit or Ctrl-D quits."
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     llm = _llm_from_args(args)
     params = sampling_params_from_args(llm, args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
-    print("tandem chat: type a message; /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
+    print(CHAT_HELP, file=sys.stderr)
     while True:
         try:
             line = input("> ")
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return 0
-        if line.strip() in ("/exit", "/quit"):
+        command = line.strip()
+        if command in ("/exit", "/quit"):
             return 0
-        if line.strip() == "/reset":
+        if command == "/reset":
             messages = list(system)
+            print("[history cleared]", file=sys.stderr)
             continue
-        if not line.strip():
+        if command.startswith("/"):
+            # NOTE: a mistyped command is not sent to the model as a message.
+            print(f"unknown command {command.split()[0]!r}; {CHAT_HELP}", file=sys.stderr)
+            continue
+        if not command:
             continue
         messages.append({"role": "user", "content": line})
         reply = _stream_reply(llm, messages, params)
@@ -178,10 +189,13 @@ def _stream_reply(llm, messages: list[dict], params) -> str | None:
     return "".join(parts)
 
 
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="CPU-first LLM inference")
-    parser.add_argument("--log-level", default="WARNING", type=str.upper,
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="logging verbosity")
+    parser.add_argument("--log-level", default="WARNING", type=str.upper, choices=LOG_LEVELS,
+                        help="logging verbosity")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="complete one prompt offline")
@@ -198,10 +212,58 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
 
     _add_optional_commands(sub)
+    for command in sub.choices.values():
+        # NOTE: also accepted after the subcommand (tandem serve --log-level INFO); SUPPRESS keeps the
+        # top-level value when the subcommand does not set it.
+        command.add_argument("--log-level", default=argparse.SUPPRESS, type=str.upper, choices=LOG_LEVELS,
+                             help="logging verbosity (same as tandem --log-level)")
     return parser
 
 
+def add_parallel_args(p: argparse.ArgumentParser, listen: bool) -> None:
+    """The ``ParallelConfig`` flags: ``--listen`` (``tandem engine``) or ``--engine-address`` and
+    ``--data-parallel-size`` (``tandem serve``), and ``--engine-secret-file`` for both."""
+    if listen:
+        p.add_argument("--listen", required=True, metavar="tcp://HOST:PORT",
+                       help="serve the engine core here; a non-loopback host needs a shared secret")
+    else:
+        p.add_argument("--engine-address", default=None, metavar="tcp://HOST:PORT",
+                       help="use the engine core `tandem engine` serves there instead of starting one (--model "
+                            "then only names the local folder with the tokenizer and chat template)")
+        p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine cores (only 1 for now)")
+    p.add_argument("--engine-secret-file", default=None, metavar="FILE",
+                   help="file holding the shared secret of the engine core (default: $TANDEM_ENGINE_SECRET)")
+
+
+def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
+    """The frozen ParallelConfig of the parsed flags (validation happens in the dataclass)."""
+    return ParallelConfig(engine_address=getattr(args, "engine_address", None),
+                          listen_address=getattr(args, "listen", None), engine_secret_file=args.engine_secret_file,
+                          data_parallel_size=getattr(args, "data_parallel_size", 1))
+
+
+def cmd_engine(args: argparse.Namespace) -> int:
+    """``tandem engine``: one engine core as a network service (``tandem/engine/core_service.py``)."""
+    from tandem.engine.core_service import serve_engine
+    from tandem.models.resolve import resolve_model_path
+
+    parallel = parallel_config_from_args(args)  # NOTE: a refused --listen fails before the model loads
+    config = engine_config_from_args(args)
+    return serve_engine(resolve_model_path(config.model.model), config, parallel)
+
+
+def _add_engine_command(sub) -> None:
+    e = sub.add_parser("engine", help="run one engine core alone as a network service for `tandem serve`")
+    # NOTE: the engine is this process's only work, so its threads are pinned by default.
+    add_engine_args(e, cpu_bind_default="auto")
+    e.add_argument("--max-queue-len", type=int, default=DEFAULT_MAX_QUEUE_LEN,
+                   help=f"waiting requests beyond which adds are answered 429 (default {DEFAULT_MAX_QUEUE_LEN})")
+    add_parallel_args(e, listen=True)
+    e.set_defaults(func=cmd_engine)
+
+
 def _add_optional_commands(sub) -> None:
+    _add_engine_command(sub)
     try:
         from tandem.server.cli import add_serve_parser
     except ImportError:

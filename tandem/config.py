@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 _DTYPES = ("bfloat16", "float32")
 QUANTIZATION_METHODS = ("int8", "int4")
 # Kernel paths (tandem/kernels/registry.py): "auto" picks the first compiled variant the CPU runs.
 KERNEL_BACKENDS = ("auto", "avx512_bf16", "avx2", "torch")
+# Waiting engine requests beyond which the server answers 429: a queue this deep already waits minutes on
+# a CPU, and a bound keeps memory and latency finite under overload.
+DEFAULT_MAX_QUEUE_LEN = 1024
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -77,7 +81,8 @@ class SchedulerConfig:
     """Continuous batching limits per step: a token budget and a sequence cap.
 
     ``long_prefill_token_threshold`` caps one request's prefill chunk (tokens); 0 = budget only.
-    ``max_queue_len`` bounds the waiting queue (0 = unbounded); the server returns 429 beyond it.
+    ``max_queue_len`` bounds the engine requests waiting in the server (the core's waiting queue plus
+    those being tokenized or sent); beyond it the server answers 429. 0 = unbounded.
     ``policy`` orders admission: "fcfs" (arrival order) or "priority" (``SamplingParams.priority``,
     lower first, ties by arrival; vLLM semantics).
     """
@@ -85,7 +90,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     long_prefill_token_threshold: int = 0
-    max_queue_len: int = 0
+    max_queue_len: int = DEFAULT_MAX_QUEUE_LEN
     policy: str = "fcfs"
 
     def __post_init__(self) -> None:
@@ -99,6 +104,47 @@ class SchedulerConfig:
             raise ConfigError("max_queue_len must be >= 0")
         if self.policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """``tandem serve``'s own settings (the engine's are in ``EngineConfig``), one field per flag.
+
+    ``served_model_names`` empty: the ``--model`` value (or the default model's name).
+    ``shutdown_timeout``: seconds in-flight requests may run after SIGTERM before they are ended.
+    ``core_restart_limit`` / ``core_restart_window``: the engine core is restarted after it dies,
+    unless this is its ``core_restart_limit``-th death within ``core_restart_window`` seconds (a crash
+    loop); 1 never restarts. ``instance_id``: this server's id in ``/load`` and the metrics labels
+    (None: a random uuid at start-up).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_names: tuple[str, ...] = ()
+    log_requests: bool = False
+    shutdown_timeout: float = 30.0
+    core_restart_limit: int = 3
+    core_restart_window: float = 60.0
+    instance_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.port) or not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be 0-65535, got {self.port!r}")
+        if not self.host:
+            raise ConfigError("host must not be empty")
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("api_key must not be empty (leave it unset for no key)")
+        if any(not name for name in self.served_model_names):
+            raise ConfigError("served model names must not be empty")
+        if not math.isfinite(self.shutdown_timeout) or self.shutdown_timeout < 0:
+            raise ConfigError(f"shutdown_timeout must be a finite number >= 0, got {self.shutdown_timeout}")
+        if not _is_int(self.core_restart_limit) or self.core_restart_limit < 1:
+            raise ConfigError(f"core_restart_limit must be an integer >= 1, got {self.core_restart_limit!r}")
+        if not math.isfinite(self.core_restart_window) or self.core_restart_window <= 0:
+            raise ConfigError(f"core_restart_window must be a finite number > 0, got {self.core_restart_window}")
+        if self.instance_id is not None and not self.instance_id.strip():
+            raise ConfigError("instance_id must not be blank")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft", "pard", "self-quant")
@@ -165,3 +211,92 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.cpu_bind, str) or not self.cpu_bind.strip():
             raise ConfigError(f"cpu_bind must be 'auto', 'none' or a core list like '0-3,6', got {self.cpu_bind!r}")
+
+
+ENGINE_SECRET_ENV = "TANDEM_ENGINE_SECRET"  # the engine secret when no --engine-secret-file is given
+
+
+def parse_tcp_address(address: str) -> tuple[str, int]:
+    """``tcp://host:port`` (IPv6 hosts in brackets) -> (host, port).
+
+    Raises:
+        ConfigError: another scheme, no host, or a port outside 1-65535.
+    """
+    if not isinstance(address, str) or not address.startswith("tcp://"):
+        raise ConfigError(f"an engine address must look like tcp://HOST:PORT, got {address!r}")
+    host, sep, port = address[len("tcp://"):].rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"an engine address must look like tcp://HOST:PORT with a port 1-65535, got {address!r}")
+    return host, int(port)
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for ``localhost`` and loopback IP literals (127.0.0.0/8, ::1); False for names, ``*``,
+    ``0.0.0.0`` and every other address."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Where the engine core runs and who may talk to it, one field per flag.
+
+    ``engine_address``: ``tandem serve`` connects to the engine core at this ``tcp://host:port``
+    instead of starting one (None: a local core process). ``listen_address``: ``tandem engine``
+    serves one engine core on this ``tcp://host:port``. ``engine_secret_file``: a file holding the
+    shared secret (surrounding whitespace stripped); without it the secret comes from the
+    ``TANDEM_ENGINE_SECRET`` environment variable, if set. The secret itself is never stored here
+    (``secret()`` reads it). ``data_parallel_size``: engine cores behind one server; only 1 for now.
+
+    Raises (on creation):
+        ConfigError: a malformed address, an unreadable or empty secret file, a non-loopback
+            ``listen_address`` without a secret, or ``data_parallel_size`` other than 1.
+    """
+
+    engine_address: str | None = None
+    listen_address: str | None = None
+    engine_secret_file: str | None = None
+    data_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.data_parallel_size) or self.data_parallel_size < 1:
+            raise ConfigError(f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}")
+        if self.data_parallel_size > 1:
+            raise ConfigError(f"data_parallel_size {self.data_parallel_size} is not supported yet (only 1)")
+        if self.engine_address is not None:
+            parse_tcp_address(self.engine_address)
+        secret = self.secret()
+        if self.listen_address is not None:
+            host, _ = parse_tcp_address(self.listen_address)
+            if not is_loopback_host(host) and secret is None:
+                raise ConfigError(
+                    f"refusing to listen on {self.listen_address} without a shared secret: anyone who can reach "
+                    f"that address could use the engine; pass --engine-secret-file FILE (or set {ENGINE_SECRET_ENV}), "
+                    "or listen on tcp://127.0.0.1:PORT")
+
+    def secret(self) -> bytes | None:
+        """The shared secret (from ``engine_secret_file``, else ``$TANDEM_ENGINE_SECRET``), or None.
+
+        Raises:
+            ConfigError: the file cannot be read or holds only whitespace.
+        """
+        import os
+
+        if self.engine_secret_file is not None:
+            try:
+                text = Path(self.engine_secret_file).read_bytes().strip()
+            except OSError as e:
+                raise ConfigError(f"cannot read the engine secret file {self.engine_secret_file}: "
+                                  f"{e.strerror or e}") from None
+            if not text:
+                raise ConfigError(f"the engine secret file {self.engine_secret_file} is empty")
+            return text
+        value = os.environ.get(ENGINE_SECRET_ENV, "").strip()
+        return value.encode() if value else None

@@ -1,120 +1,45 @@
-"""AsyncLLM: the server's client of the engine-core process.
+"""AsyncLLM: the server's client of the engine-core process, and the edge HTTP handlers talk to.
 
-Tokenization, chat templates and detokenization (``OutputProcessor``) stay in this process; the
-core process only sees token ids. Each accepted prompt gets an asyncio queue of ``RequestOutput``s
-filled by one background task that reads the core's output socket. When the core process dies,
-every waiting caller gets ``EngineDeadError`` at once and new requests are refused.
+Tokenization and chat templates run in one tokenizer thread, detokenization (``OutputProcessor``)
+in one detokenizer thread with its own tokenizer copy: the event loop only moves messages. The core
+process only sees token ids. Each accepted prompt has a one-slot ``OutputCollector`` filled by one
+background task that reads the core's output socket. When the core dies, every in-flight request
+gets ``EngineDeadError`` at once and ``CoreSupervisor`` restarts the core (or, in a crash loop, the
+server answers 503 for good).
+
+Bounds: prompts admitted but not yet queued in the core (being tokenized, or on their way) count
+with the core's waiting queue against ``max_queue_len``; beyond it a request gets 429.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 from tandem.config import EngineConfig
 from tandem.engine.core_client import EngineCoreClient
-from tandem.engine.core_proc import AddResult, CoreFailed, CoreStats, StepOutputs
+from tandem.engine.core_proc import AddResult, CoreFailed, CoreStats, StepFailed, StepOutputs
 from tandem.engine.loading import Frontend, load_chat_template, load_frontend
 from tandem.engine.output_processor import OutputProcessor
+from tandem.engine.request_log import EngineMetrics, RequestLog
+from tandem.engine.request_stream import ChildState, OutputCollector, PromptState, RequestStream
+from tandem.engine.supervisor import CoreSupervisor, CrashLoopGuard
+from tandem.errors import DuplicateRequestError, EngineDeadError, EngineRequestError
 from tandem.models.resolve import resolve_model_path
-from tandem.outputs import EngineCoreOutput, RequestOutput
 from tandem.sampling_params import SamplingParams
 
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineRequestError", "RequestStream"]
+
 logger = logging.getLogger(__name__)
-request_logger = logging.getLogger("tandem.requests")
 T = TypeVar("T")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine-core process is gone (killed, crashed, or shut down); the server answers 503."""
-
-
-class EngineRequestError(Exception):
-    """The core refused a request: ``status`` 400 (it can never run) or 429 (the queue is full)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-class EngineMetrics(Protocol):
-    """What AsyncLLM reports (implemented by ``tandem.server.metrics.ServerMetrics``). Times in s."""
-
-    def record_step(self, stats: CoreStats, num_batched_tokens: int) -> None: ...
-    def record_queue_time(self, seconds: float) -> None: ...
-    def record_first_token(self, ttft: float, num_prompt_tokens: int) -> None: ...
-    def record_tokens(self, num_tokens: int, itl: float | None) -> None: ...
-    def record_finished(self, finish_reason: str, e2e: float) -> None: ...
-    def clear_gauges(self) -> None: ...
-
-
-@dataclass
-class _Parent:
-    """Front-end state of one prompt (its ``n`` children run as separate engine requests)."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    output_kind: str
-    child_ids: list[str]
-    arrival: float
-    accepted: asyncio.Future
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    first_token_time: float | None = None
-    num_output_tokens: int = 0
-    finish_reasons: dict[int, str] = field(default_factory=dict)
-    done: bool = False
-
-
-@dataclass
-class _Child:
-    parent: _Parent
-    index: int
-    last_token_time: float | None = None
-
-
-class RequestStream:
-    """The outputs of one accepted prompt, in order; ``abort()`` (or leaving early) stops it."""
-
-    def __init__(self, engine: AsyncLLM, state: _Parent) -> None:
-        self._engine = engine
-        self._state = state
-
-    @property
-    def request_id(self) -> str:
-        return self._state.request_id
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self._state.prompt_token_ids
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        """Yields ``RequestOutput``s until one is finished.
-
-        Raises:
-            EngineDeadError: the core process died while this request was running.
-        """
-        try:
-            while True:
-                item = await self._state.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    return
-        finally:
-            self.abort()
-
-    def abort(self) -> None:
-        """Stops the request in the engine (frees its KV blocks); no-op once it has finished."""
-        self._engine.abort(self._state.request_id)
+QUEUE_FULL_RETRY_AFTER_S = 1.0
 
 
 class AsyncLLM:
@@ -122,34 +47,48 @@ class AsyncLLM:
 
     Args:
         frontend: tokenizer, config and defaults of the model (``load_frontend``).
-        client: a started ``EngineCoreClient``.
+        client: a started, ready ``EngineCoreClient``.
         metrics: receives timings and counters (optional).
         log_requests: include prompt text and parameters in the request log.
-        max_queue_len: the core's waiting-queue bound (0 = unbounded), for requests that can never fit it.
+        max_queue_len: bound on waiting engine requests (the core's queue plus those admitted here and
+            not yet queued); 0 = unbounded.
+        start_core: starts a replacement core (blocking); None = a dead core is not restarted.
+        guard: the crash-loop rule for restarts (default: 3 deaths within 60 s end them).
+        instance_id: this server's id in ``/load`` and the metrics (default: a random uuid).
+        supervisor_cls: ``CoreSupervisor`` (restarts a local core) or ``RemoteCoreSupervisor``
+            (reconnects to a core served by ``tandem engine``; ``start_core`` then reconnects).
     """
 
     def __init__(
         self, frontend: Frontend, client: EngineCoreClient, metrics: EngineMetrics | None = None,
         log_requests: bool = False, max_queue_len: int = 0,
+        start_core: Callable[[], EngineCoreClient] | None = None, guard: CrashLoopGuard | None = None,
+        instance_id: str | None = None, supervisor_cls: type[CoreSupervisor] = CoreSupervisor,
     ) -> None:
         self.frontend = frontend
         self.tokenizer = frontend.tokenizer
-        self.client = client
         self.max_model_len = client.max_model_len
+        self.block_size = getattr(client, "block_size", 0)
         self.processor = frontend.make_processor(client.max_model_len)
-        self.output_processor = OutputProcessor(frontend.tokenizer)
-        self.metrics = metrics
-        self.log_requests = log_requests
+        # NOTE: the detokenizer thread gets its own tokenizer: a HF fast tokenizer used from two threads at
+        # once can fail with "Already borrowed" (encoding may reset its truncation state).
+        self.output_processor = OutputProcessor(copy.deepcopy(frontend.tokenizer))
+        self.log = RequestLog(log_requests, metrics)
         self.max_queue_len = max_queue_len
-        # NOTE: one thread, as in vLLM: tokenizing and chat templating a long prompt take seconds and
-        # must not hold the event loop (HF tokenizers release the GIL); one worker keeps calls serial.
+        self.instance_id = instance_id or uuid.uuid4().hex
+        # NOTE: one thread each, as in vLLM: tokenizing a long prompt takes seconds and must not hold the
+        # event loop (HF tokenizers release the GIL); one worker keeps calls serial and in order.
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenizer")
-        self.dead: EngineDeadError | None = None
+        self._detok_thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-detokenizer")
+        self.supervisor = supervisor_cls(client, start_core, guard or CrashLoopGuard(), self._fail_in_flight,
+                                         self._start_output_loop, self._record_restart)
         self.last_stats = CoreStats()
-        self._parents: dict[str, _Parent] = {}
-        self._children: dict[str, _Child] = {}
+        self._parents: dict[str, PromptState] = {}
+        self._children: dict[str, ChildState] = {}
         self._loop_task: asyncio.Task | None = None
-        self._closing = False
+        self._num_admitted = 0  # engine requests admitted by handlers and not yet answered by the core
+        self._num_tokenizer_jobs = 0
+        self._shut_down: EngineDeadError | None = None
 
     @classmethod
     def from_config(
@@ -163,55 +102,161 @@ class AsyncLLM:
             EngineCoreStartError: the core process failed while loading.
         """
         load_chat_template(config.model.chat_template)  # NOTE: a bad --chat-template fails before the core starts
+        model_dir = resolve_model_path(config.model.model)
         # NOTE: the core process loads torch and the weights while this one loads the tokenizer.
-        client = EngineCoreClient.start(resolve_model_path(config.model.model), config, log_level)
+        client = EngineCoreClient.start(model_dir, config, log_level)
         try:
             frontend = load_frontend(config)
             client.wait_ready()
         except BaseException:
             client.close()
             raise
-        return cls(frontend, client, metrics, log_requests, config.scheduler.max_queue_len)
+        return cls(frontend, client, metrics, log_requests, config.scheduler.max_queue_len,
+                   start_core=lambda: EngineCoreClient.launch(model_dir, config, log_level))
 
     async def start(self) -> None:
-        """Starts reading the core's outputs on the running loop (call once, inside the server)."""
-        self.client.attach(self._on_core_death)
-        self._loop_task = asyncio.create_task(self._output_loop(), name="tandem-output-loop")
+        """Starts watching the core and reading its outputs on the running loop (call once)."""
+        self.supervisor.watch()
+        self._start_output_loop(self.client)
+
+    @property
+    def metrics(self) -> EngineMetrics | None:
+        """Where timings and counters go (settable once the server has built its metrics)."""
+        return self.log.metrics
+
+    @metrics.setter
+    def metrics(self, metrics: EngineMetrics | None) -> None:
+        self.log.metrics = metrics
+
+    # ---- the edge: what HTTP handlers use ----
+    @property
+    def client(self) -> EngineCoreClient:
+        """The engine core serving now (a new one after each restart)."""
+        return self.supervisor.client
+
+    @property
+    def dead(self) -> EngineDeadError | None:
+        """Why new requests are refused now (503), or None while the engine serves."""
+        return self._shut_down or self.supervisor.unavailable
 
     @property
     def is_healthy(self) -> bool:
         return self.dead is None and self.client.is_alive()
 
-    async def run_in_tokenizer(self, fn: Callable[..., T], *args: object) -> T:
-        """Runs ``fn(*args)`` (tokenizing, chat templating, detokenizing) off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+    def check_available(self) -> None:
+        """Raises: EngineDeadError (503) while the core is down, restarting, or shutting down."""
+        if self.dead is not None:
+            raise self.dead
+        if not self.client.is_alive():
+            raise EngineDeadError("the engine core is not running", 1.0)
 
+    @property
+    def default_sampling_params(self) -> SamplingParams:
+        """The model's defaults (generation_config.json) that request fields override."""
+        return self.frontend.default_sampling_params
+
+    @property
+    def model_dir(self) -> str:
+        return str(self.frontend.model_dir)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.frontend.hf_config.vocab_size
+
+    def load(self) -> dict[str, Any]:
+        """Machine-readable load for routers: engine requests running and waiting (the core's queue plus
+        those admitted here), KV cache usage (0..1), block size (tokens) and this server's instance id."""
+        stats = self.last_stats
+        return {"instance_id": self.instance_id, "running": stats.num_running,
+                "waiting": stats.num_waiting + self._num_admitted, "kv_cache_usage": stats.kv_cache_usage,
+                "block_size": self.block_size, "num_kv_blocks": getattr(self.client, "num_blocks", 0),
+                "max_queue_len": self.max_queue_len, "healthy": self.is_healthy}
+
+    @contextmanager
+    def admitted(self, num_requests: int) -> Iterator[None]:
+        """Counts ``num_requests`` engine requests against ``max_queue_len`` while a handler tokenizes
+        and queues them (the core's own check then takes over).
+
+        Raises:
+            EngineRequestError: 429 (``retry_after`` 1 s) when the waiting room is full.
+            EngineDeadError: 503 while the core is unavailable.
+        """
+        self.check_available()
+        waiting = self.last_stats.num_waiting + self._num_admitted
+        if self.max_queue_len and waiting + num_requests > self.max_queue_len:
+            raise EngineRequestError(
+                429, f"the waiting queue is full ({self.max_queue_len} requests); retry later",
+                QUEUE_FULL_RETRY_AFTER_S)
+        self._num_admitted += num_requests
+        try:
+            yield
+        finally:
+            self._num_admitted -= num_requests
+
+    async def run_in_tokenizer(self, fn: Callable[..., T], *args: object) -> T:
+        """Runs ``fn(*args)`` (tokenizing, chat templating, decoding) in the tokenizer thread.
+
+        Raises:
+            EngineRequestError: 429 when ``max_queue_len`` jobs are already queued for that thread.
+        """
+        if self.max_queue_len and self._num_tokenizer_jobs >= self.max_queue_len:
+            raise EngineRequestError(429, f"the tokenizer queue is full ({self.max_queue_len} jobs); retry later",
+                                     QUEUE_FULL_RETRY_AFTER_S)
+        self._num_tokenizer_jobs += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
+        finally:
+            self._num_tokenizer_jobs -= 1
+
+    # NOTE: the four methods below block (tokenizers, Jinja): call them through run_in_tokenizer.
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a completions prompt. Raises: PromptError."""
+        return self.processor.tokenize(prompt)
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> tuple[str, list[int]]:
+        """The templated chat prompt and its token ids. Raises: PromptError (template, empty, too long)."""
+        text = self.processor.apply_chat_template(messages, add_generation_prompt)
+        return text, self.processor.chat_prompt_ids(text)
+
+    def count_tokens(self, text_or_messages: str | list[dict[str, str]], add_special_tokens: bool = True,
+                     add_generation_prompt: bool = True) -> list[int]:
+        """Token ids for ``/tokenize`` (no length limit). Raises: PromptError (chat template)."""
+        if isinstance(text_or_messages, list):
+            text = self.processor.apply_chat_template(text_or_messages, add_generation_prompt)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(text_or_messages, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    # ---- requests ----
     async def add_request(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-        output_kind: str = "delta",
+        output_kind: str = "delta", arrival_time: float | None = None,
     ) -> RequestStream:
         """Sends one prompt (``params.n`` engine requests) to the core and waits for it to be queued.
 
         ``output_kind``: "delta" (new text per output, for streams) or "cumulative".
+        ``arrival_time``: ``time.monotonic()`` when the request arrived (TTFT and e2e start there;
+        default: now).
 
         Raises:
+            DuplicateRequestError: ``request_id`` is in flight already.
             PromptError: the prompt does not fit the context (checked here, before sending).
             EngineRequestError: the core refused it (400 can never fit the KV cache, 429 queue full).
-            EngineDeadError: the core process is not running.
+            EngineDeadError: the core is not serving.
         """
-        if self.dead is not None:
-            raise self.dead
+        self.check_available()
         if request_id in self._parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise DuplicateRequestError(request_id, f"request id {request_id!r} is already in use")
         requests = self.processor.make_requests(request_id, prompt_token_ids, params)
-        loop = asyncio.get_running_loop()
-        state = _Parent(request_id, prompt, prompt_token_ids, params, output_kind,
-                        [r.request_id for r in requests], time.monotonic(), loop.create_future())
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        state = PromptState(request_id, prompt, prompt_token_ids, params, output_kind,
+                            [r.request_id for r in requests], arrival, asyncio.get_running_loop().create_future(),
+                            OutputCollector(delta=output_kind == "delta"))
         for r in requests:
-            r.arrival_time = state.arrival
-        if self.log_requests:
-            request_logger.info("received request %s: prompt=%r prompt_token_ids=%s params=%s",
-                                request_id, prompt, prompt_token_ids, params)
+            r.arrival_time = arrival
+        self.log.received(state)
         self._parents[request_id] = state
         try:
             self.client.add_requests(request_id, requests)
@@ -220,186 +265,156 @@ class AsyncLLM:
             self.abort(request_id)  # NOTE: sent and maybe queued: the core must drop it; counted as aborted
             raise
         except BaseException:
-            self._drop(state)  # NOTE: not sent (encoding failed), refused, or the core died: nothing to count
+            self._drop(state)  # NOTE: not sent (encoding failed, queue full), refused, or the core died
             raise
-        return RequestStream(self, state)
+        return RequestStream(state, self.abort)
 
     async def generate(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
         output_kind: str = "delta",
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncIterator[Any]:
         """``add_request`` then its outputs; leaving the loop early aborts the request."""
         stream = await self.add_request(request_id, prompt, prompt_token_ids, params, output_kind)
         async for out in stream:
             yield out
 
     def abort(self, request_id: str) -> None:
-        """Aborts an unfinished prompt: the core frees its KV blocks; each unfinished child is logged
-        and counted (``request_success{finished_reason="abort"}``, e2e latency) as vLLM does."""
+        """Aborts an unfinished prompt: the core frees its KV blocks (the abort is never lost, see
+        ``EngineCoreClient.abort_requests``); each unfinished child is logged and counted as vLLM does."""
         state = self._parents.get(request_id)
         if state is None or state.done:
             return
-        live = [cid for i, cid in enumerate(state.child_ids) if i not in state.finish_reasons]
         if self.dead is None:
-            self.client.abort_requests(live)
+            self.client.abort_requests(state.live_child_ids)
         self._drop(state)
-        self._finish_as_aborted(state)
+        self.log.aborted(state)
 
-    def _finish_as_aborted(self, state: _Parent) -> None:
-        """Marks the unfinished children "abort", counts them in the metrics and logs the prompt."""
-        e2e = time.monotonic() - state.arrival
-        for i in range(len(state.child_ids)):
-            if i not in state.finish_reasons:
-                state.finish_reasons[i] = "abort"
-                if self.metrics is not None:
-                    self.metrics.record_finished("abort", e2e)
-        self._log_finished(state)
-
-    def _drop(self, state: _Parent) -> None:
+    def _drop(self, state: PromptState) -> None:
         state.done = True
         self._parents.pop(state.request_id, None)
         for cid in state.child_ids:
             self._children.pop(cid, None)
-        self.output_processor.abort_request(state.request_id)
+        self._detok_thread.submit(self.output_processor.abort_request, state.request_id)
 
     # ---- the output loop ----
-    async def _output_loop(self) -> None:
+    def _start_output_loop(self, client: EngineCoreClient) -> None:
+        self.max_model_len = client.max_model_len
+        self._loop_task = asyncio.get_running_loop().create_task(self._output_loop(client),
+                                                                 name="tandem-output-loop")
+
+    async def _output_loop(self, client: EngineCoreClient) -> None:
         try:
             while True:
-                message = await self.client.get_output()
+                message = await client.get_output()
                 if isinstance(message, StepOutputs):
-                    self._on_step(message)
+                    await self._on_step(client, message)
                 elif isinstance(message, AddResult):
                     self._on_add_result(message)
+                elif isinstance(message, StepFailed):
+                    self._on_step_failed(message)
                 elif isinstance(message, CoreFailed):
-                    self._fail(EngineDeadError(f"the engine core failed: {message.message.splitlines()[0]}"))
+                    self.supervisor.core_died(client, f"the engine core failed: {message.message.splitlines()[0]}")
                     return
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # NOTE: a bug here must not leave clients hanging: fail them all.
+        except Exception as e:
+            # NOTE: a bug here must not leave anyone hanging: the core is treated as dead (its requests
+            # fail, it is restarted), since no one reads its outputs any more.
             logger.exception("output loop failed")
-            self._fail(EngineDeadError(f"the engine front end failed: {e}"))
+            self.supervisor.core_died(client, f"the engine front end failed: {type(e).__name__}: {e}")
 
     def _on_add_result(self, result: AddResult) -> None:
         state = self._parents.get(result.parent_id)
         if state is None or state.accepted.done():
             return  # NOTE: the caller gave up while waiting; its abort message follows in order.
         if result.status != 200:
-            state.accepted.set_exception(EngineRequestError(result.status, result.message))
+            error = DuplicateRequestError(result.parent_id, f"request id {result.parent_id!r} is already in use") \
+                if result.code == "duplicate_request_id" \
+                else EngineRequestError(result.status, result.message, QUEUE_FULL_RETRY_AFTER_S, result.code or None)
+            state.accepted.set_exception(error)
             return
         n = len(state.child_ids)
         for index, child_id in enumerate(state.child_ids):
-            self._children[child_id] = _Child(state, index)
-            self.output_processor.add_request(
-                child_id, state.request_id, index, n, state.prompt, state.prompt_token_ids, state.params,
-                output_kind=state.output_kind,
-            )
+            self._children[child_id] = ChildState(state, index)
+            self._detok_thread.submit(
+                self.output_processor.add_request, child_id, state.request_id, index, n, state.prompt,
+                state.prompt_token_ids, state.params, output_kind=state.output_kind)
         state.accepted.set_result(None)
 
-    def _on_step(self, message: StepOutputs) -> None:
+    async def _on_step(self, client: EngineCoreClient, message: StepOutputs) -> None:
         self.last_stats = message.stats
-        if self.metrics is not None:
-            self.metrics.record_step(message.stats, message.num_batched_tokens)
-            for seconds in message.queue_times.values():
-                self.metrics.record_queue_time(seconds)
+        self.log.step(message)
         now = time.monotonic()
         known = [o for o in message.outputs if o.request_id in self._children]
         for out in known:
-            self._record_tokens(self._children[out.request_id], out, now)
-        processed = self.output_processor.process_outputs(known)
-        if processed.reqs_to_abort:
-            self.client.abort_requests(list(processed.reqs_to_abort))
+            self.log.tokens(self._children[out.request_id], out, now)
+        if not known:
+            return
+        processed = await asyncio.get_running_loop().run_in_executor(
+            self._detok_thread, self.output_processor.process_outputs, known)
+        if processed.reqs_to_abort and client is self.client:
+            client.abort_requests(list(processed.reqs_to_abort))
         for request_output in processed.request_outputs:
             state = self._parents.get(request_output.request_id)
             if state is None:
-                continue
-            self._record_finished_children(state, request_output, now)
-            state.queue.put_nowait(request_output)
+                continue  # NOTE: aborted while its text was being detokenized
+            for cid in self.log.finished_children(state, request_output, now):
+                self._children.pop(cid, None)
+            state.collector.put(request_output)
             if request_output.finished:
                 state.done = True
                 self._parents.pop(state.request_id, None)
-                self._log_finished(state)
+                self.log.finished(state)
 
-    def _record_tokens(self, child: _Child, out: EngineCoreOutput, now: float) -> None:
-        if not out.new_token_ids:
-            return
-        state = child.parent
-        state.num_output_tokens += len(out.new_token_ids)
-        if self.metrics is not None:
-            if child.last_token_time is None:
-                self.metrics.record_first_token(now - state.arrival, len(state.prompt_token_ids))
-            itl = None if child.last_token_time is None else now - child.last_token_time
-            self.metrics.record_tokens(len(out.new_token_ids), itl)
-        if state.first_token_time is None:
-            state.first_token_time = now
-        child.last_token_time = now
-
-    def _record_finished_children(self, state: _Parent, request_output: RequestOutput, now: float) -> None:
-        for completion in request_output.outputs:
-            reason = completion.finish_reason
-            if reason is None or completion.index in state.finish_reasons:
-                continue
-            state.finish_reasons[completion.index] = reason
-            self._children.pop(state.child_ids[completion.index], None)
-            if self.metrics is not None:
-                self.metrics.record_finished(reason, now - state.arrival)
-
-    def _log_finished(self, state: _Parent) -> None:
-        now = time.monotonic()
-        ttft = "-" if state.first_token_time is None else f"{state.first_token_time - state.arrival:.3f}s"
-        reasons = ",".join(state.finish_reasons[i] for i in sorted(state.finish_reasons))
-        request_logger.info(
-            "finished request %s: prompt_tokens=%d output_tokens=%d ttft=%s total=%.3fs finish_reason=%s",
-            state.request_id, len(state.prompt_token_ids), state.num_output_tokens, ttft,
-            now - state.arrival, reasons,
-        )
+    def _on_step_failed(self, message: StepFailed) -> None:
+        """Ends the prompts of a failed (rolled-back) step with a 500; the core serves on."""
+        error = EngineRequestError(500, f"the engine step failed: {message.message.splitlines()[0]}")
+        for parent_id in {self._children[c].parent.request_id for c in message.request_ids if c in self._children}:
+            state = self._parents[parent_id]
+            self.client.abort_requests(state.live_child_ids)  # NOTE: its other children may still run
+            state.collector.put(error)
+            self._drop(state)
+            self.log.aborted(state)
 
     # ---- death and shutdown ----
-    def _on_core_death(self) -> None:
-        if self._closing:
-            return
-        logger.error("the engine core process (pid %s) exited with code %s",
-                     self.client.pid, self.client.proc.exitcode)
-        self._fail(EngineDeadError("the engine core process died"))
+    def _record_restart(self) -> None:
+        if self.metrics is not None:
+            self.metrics.record_core_restart()
 
-    def _fail(self, error: EngineDeadError) -> None:
-        """Marks the engine dead and fails every waiting caller with ``error`` (no one hangs); the
-        in-flight prompts are logged and counted as aborted, and the core's gauges are zeroed."""
-        if self.dead is not None:
-            return
-        self.dead = error
+    def _fail_in_flight(self, error: EngineDeadError) -> None:
+        """Fails every waiting caller with ``error`` (no one hangs); the in-flight prompts are logged
+        and counted as aborted, the core's gauges are zeroed and the output loop stops."""
+        if self._loop_task is not None and self._loop_task is not asyncio.current_task():
+            self._loop_task.cancel()
         self.last_stats = CoreStats()
         if self.metrics is not None:
             self.metrics.clear_gauges()
         for state in list(self._parents.values()):
             if not state.accepted.done():
                 state.accepted.set_exception(error)
-            state.queue.put_nowait(error)
+            state.collector.put(error)
             self._drop(state)
-            self._finish_as_aborted(state)
+            self.log.aborted(state)
         self._children.clear()
 
     def end_all(self, reason: str) -> int:
         """Ends every in-flight request with ``EngineDeadError(reason)`` (streams send an error event
         and ``[DONE]``, others get 503) and refuses new ones; the core drops their work. Used when the
         shutdown timeout expires. Returns the number of prompts ended."""
-        live = [cid for state in self._parents.values() for i, cid in enumerate(state.child_ids)
-                if i not in state.finish_reasons]
+        live = [cid for state in self._parents.values() for cid in state.live_child_ids]
         count = len(self._parents)
         if self.dead is None and self.client.is_alive():
             self.client.abort_requests(live)
-        self._fail(EngineDeadError(reason))
+        self._shut_down = EngineDeadError(reason)
+        self._fail_in_flight(self._shut_down)
         return count
 
     async def shutdown(self) -> None:
         """Stops the output loop and the core process (waits for it to exit, then kills it)."""
-        self._closing = True
+        self._shut_down = self._shut_down or EngineDeadError("the server is shutting down")
+        self._fail_in_flight(self._shut_down)
         if self._loop_task is not None:
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except asyncio.CancelledError:
-                pass
-        self._fail(EngineDeadError("the server is shutting down"))
+            await asyncio.gather(self._loop_task, return_exceptions=True)
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
-        await asyncio.to_thread(self.client.close)
+        self._detok_thread.shutdown(wait=False, cancel_futures=True)
+        await self.supervisor.close()

@@ -1,4 +1,4 @@
-"""Front-end side of the engine-core process: spawn it, talk to it over ZeroMQ, notice its death.
+"""Front-end side of the engine-core process: start it, talk to it over ZeroMQ, notice its death.
 
 Start-up is synchronous (``EngineCoreClient.start`` blocks until the core has loaded the model and
 sent ``Ready``); afterwards ``attach`` moves the output socket onto the running asyncio loop.
@@ -33,9 +33,30 @@ from tandem.engine.core_proc import (
     make_encoder,
     run_engine_core,
 )
+from tandem.errors import EngineRequestError
 from tandem.request import Request
 
 logger = logging.getLogger(__name__)
+
+INPUT_HWM = 10_000  # messages queued towards the core before a send would block (ZeroMQ's default is 1000)
+ABORT_RETRY_S = 0.01  # how soon aborts that met a full input queue are sent again
+BUSY_RETRY_AFTER_S = 1.0  # Retry-After of a 429 for a full input queue
+
+
+def _process_context() -> multiprocessing.context.BaseContext:
+    """Where core processes come from: a fork server that imported torch once (``spawn`` where there
+    is no fork server).
+
+    NOTE: a fresh interpreter spends seconds importing torch (over 10 s on a busy 2-core machine),
+    which is most of a restart; forking from a server that holds torch imported, and has run nothing
+    with it (no OpenMP threads yet), takes milliseconds. The preload list is the stdlib's process-wide
+    setting; it only matters before the fork server starts, which this does on first use.
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch"])
+    return ctx
 
 
 class EngineCoreStartError(RuntimeError):
@@ -63,28 +84,56 @@ class EngineCoreClient:
         self.decoder = msgspec.msgpack.Decoder(OutputMessage)
         self.max_model_len = 0
         self.num_blocks = 0
+        self.block_size = 0
+        self._pending_aborts: list[str] = []  # aborts that met a full input queue, sent in order later
+        self._retry: asyncio.TimerHandle | None = None
+        self._watch: tuple[asyncio.AbstractEventLoop, int] | None = None
         self.kernel_backend = "torch"  # the core's kernel path (``tandem/kernels/registry.py``), from Ready
         self.kernel_message = ""
 
     @classmethod
-    def start(cls, model_dir: Path, config: EngineConfig, log_level: str = "WARNING") -> EngineCoreClient:
-        """Spawns the core process; it loads the model while the caller goes on (see ``wait_ready``)."""
+    def start(
+        cls, model_dir: Path, config: EngineConfig, log_level: str = "WARNING", cpus: list[int] | None = None,
+    ) -> EngineCoreClient:
+        """Spawns the core process; it loads the model while the caller goes on (see ``wait_ready``).
+
+        ``cpus``: the cores the core process may use (default: this process's mask at spawn time; a
+        restarted core passes the mask the server had before it pinned its front end).
+        """
         tmp_dir = tempfile.mkdtemp(prefix="tandem-")
         input_addr, output_addr = f"ipc://{tmp_dir}/input", f"ipc://{tmp_dir}/output"
         ctx = zmq.Context()
         inputs = ctx.socket(zmq.PUSH)
         inputs.setsockopt(zmq.LINGER, 0)
+        inputs.setsockopt(zmq.SNDHWM, INPUT_HWM)
         inputs.bind(input_addr)
         outputs = ctx.socket(zmq.PULL)
         outputs.setsockopt(zmq.LINGER, 0)
         outputs.bind(output_addr)
-        spawn = multiprocessing.get_context("spawn")
-        proc = spawn.Process(
+        proc = _process_context().Process(
             target=run_engine_core, name="tandem-engine-core", daemon=True,
-            args=(model_dir, config, input_addr, output_addr, os.getpid(), log_level),
+            args=(model_dir, config, input_addr, output_addr, os.getpid(), log_level, cpus),
         )
         proc.start()
         return cls(proc, ctx, inputs, outputs, tmp_dir)
+
+    @classmethod
+    def launch(
+        cls, model_dir: Path, config: EngineConfig, log_level: str = "WARNING", cpus: list[int] | None = None,
+        timeout_s: float | None = None,
+    ) -> EngineCoreClient:
+        """``start`` then ``wait_ready`` (blocking); closes the process again if it fails.
+
+        Raises:
+            EngineCoreStartError: see ``wait_ready``.
+        """
+        client = cls.start(model_dir, config, log_level, cpus)
+        try:
+            client.wait_ready(timeout_s)
+        except BaseException:
+            client.close()
+            raise
+        return client
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         """Blocks until the core has loaded the model; sets ``max_model_len``, ``num_blocks``, ``kernel_backend``
@@ -107,6 +156,7 @@ class EngineCoreClient:
             raise EngineCoreStartError(f"unexpected first message from the engine core: {message!r}")
         self.max_model_len = message.max_model_len
         self.num_blocks = message.num_blocks
+        self.block_size = message.block_size
         self.kernel_backend, self.kernel_message = message.kernel_backend, message.kernel_message
         logger.info("engine core pid %d ready: max_model_len %d, %d KV blocks",
                     self.proc.pid, self.max_model_len, self.num_blocks)
@@ -123,12 +173,33 @@ class EngineCoreClient:
         loop = asyncio.get_running_loop()
         self.outputs = zmq.asyncio.Socket.from_socket(self._sync_outputs)
         sentinel = self.proc.sentinel
+        self._watch = (loop, sentinel)
 
         def _dead() -> None:
-            loop.remove_reader(sentinel)
+            self._unwatch()
             on_death()
 
         loop.add_reader(sentinel, _dead)
+
+    def _unwatch(self) -> None:
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch[0].remove_reader(watch[1])
+
+    def detach(self) -> None:
+        """Stops watching the process and closes the loop's output socket. Call it on the loop before
+        ``close`` runs in another thread. Idempotent.
+
+        NOTE: the loop's selector holds the socket's file descriptor; closed elsewhere, the number is
+        reused by the next core's socket while the stale registration still points at this one.
+        """
+        self._unwatch()
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        if self.outputs is not None:
+            self.outputs.close(linger=0)
+            self.outputs = None
 
     async def get_output(self) -> OutputMessage:
         """The next message from the core (waits without blocking the loop)."""
@@ -137,22 +208,63 @@ class EngineCoreClient:
         return self.decoder.decode(frame.buffer)
 
     def _send(self, message: InputMessage) -> None:
-        # NOTE: PUSH to a connected peer with a high-water mark far above our message rate: a
-        # non-blocking send never waits, so the event loop is never held.
+        """Sends without waiting. Raises: zmq.Again when the input queue is at its high-water mark
+        (or no core is connected); zmq.ZMQError when the socket is closed."""
+        # NOTE: never a blocking send: it would hold the event loop (and every other request).
         self.inputs.send(self.encoder.encode(message), zmq.NOBLOCK, copy=False)
 
     def add_requests(self, parent_id: str, requests: list[Request]) -> None:
-        """Sends all children of one prompt; the core answers with one ``AddResult``."""
+        """Sends all children of one prompt; the core answers with one ``AddResult``.
+
+        Raises:
+            EngineRequestError: 429 (with ``retry_after``) when the core's input queue is full.
+        """
         wire = [
             WireRequest(r.request_id, r.prompt_token_ids, r.sampling_params, sorted(r.eos_token_ids),
                         r.max_tokens, r.arrival_time)
             for r in requests
         ]
-        self._send(AddRequests(parent_id, wire))
+        self.flush_aborts()  # NOTE: aborts first: they free KV blocks the new request may need
+        try:
+            self._send(AddRequests(parent_id, wire))
+        except zmq.Again:
+            raise EngineRequestError(429, "the engine core is busy (its input queue is full); retry later",
+                                     BUSY_RETRY_AFTER_S) from None
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids and self.proc.is_alive():
-            self._send(AbortRequests(list(request_ids)))
+        """Queues an abort for these engine requests and sends it now if the input queue has room;
+        otherwise it is retried every ``ABORT_RETRY_S`` s on the running loop until sent, so an abort is
+        never lost (the core would keep the request's KV blocks until it finished). Never raises."""
+        if request_ids:
+            self._pending_aborts.extend(request_ids)
+            self.flush_aborts()
+
+    @property
+    def num_pending_aborts(self) -> int:
+        """Engine request ids whose abort is not sent yet."""
+        return len(self._pending_aborts)
+
+    def flush_aborts(self) -> None:
+        """Sends the queued aborts as one message; on a full queue schedules a retry. Changes:
+        ``num_pending_aborts`` drops to 0 once sent."""
+        self._retry = None
+        if not self._pending_aborts or self.inputs.closed:
+            return
+        try:
+            self._send(AbortRequests(list(self._pending_aborts)))
+        except zmq.Again:
+            self._schedule_retry()
+            return
+        self._pending_aborts.clear()
+
+    def _schedule_retry(self) -> None:
+        if self._retry is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # NOTE: no loop (start-up or tests): the next add or abort flushes them
+        self._retry = loop.call_later(ABORT_RETRY_S, self.flush_aborts)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Asks the core to exit, waits up to ``timeout_s``, then kills it; removes the socket files.

@@ -23,6 +23,7 @@ import msgspec
 import zmq
 
 from tandem.config import EngineConfig
+from tandem.errors import DuplicateRequestError, EngineStepError
 from tandem.outputs import EngineCoreOutput
 from tandem.request import Request
 from tandem.sampling_params import SamplingParams
@@ -64,20 +65,32 @@ InputMessage = AddRequests | AbortRequests | Shutdown
 
 # ---- core -> front end ----
 class Ready(msgspec.Struct, tag="ready"):
-    """The core loaded the model; ``kernel_backend`` / ``kernel_message``: its kernel path and start-up line."""
+    """The core loaded its model: context length and KV pool (``num_blocks`` of ``block_size`` tokens),
+    and its kernel path (``kernel_backend``, ``kernel_message``: the start-up line; ``tandem/kernels/registry.py``).
+
+    A networked core (``core_service``) also names its model (the folder's name) and vocabulary size,
+    so a front end can check that its tokenizer belongs to the same model.
+    """
 
     max_model_len: int
     num_blocks: int
+    block_size: int = 0
+    model: str = ""
+    vocab_size: int = 0
     kernel_backend: str = "torch"
     kernel_message: str = ""
 
 
 class AddResult(msgspec.Struct, tag="add_result"):
-    """``status`` 200 accepted, 400 the request can never run, 429 the waiting queue is full."""
+    """``status`` 200 accepted, 400 the request can never run, 429 the waiting queue is full.
+
+    ``code``: a machine-readable reason ("duplicate_request_id", "context_length_exceeded") or "".
+    """
 
     parent_id: str
     status: int
     message: str = ""
+    code: str = ""
 
 
 class CoreStats(msgspec.Struct):
@@ -113,7 +126,15 @@ class CoreFailed(msgspec.Struct, tag="failed"):
     message: str
 
 
-OutputMessage = Ready | AddResult | StepOutputs | CoreFailed
+class StepFailed(msgspec.Struct, tag="step_failed"):
+    """A step raised and was rolled back (``EngineStepError``): these engine requests were aborted;
+    the core keeps serving the others. ``message``: the cause's type and text."""
+
+    request_ids: list[str]
+    message: str
+
+
+OutputMessage = Ready | AddResult | StepOutputs | CoreFailed | StepFailed
 
 
 def make_encoder() -> msgspec.msgpack.Encoder:
@@ -126,7 +147,8 @@ class EngineCoreProc:
     Args:
         core: the engine (already built; this class only drives it).
         inputs / outputs: connected ZeroMQ PULL / PUSH sockets.
-        parent_pid: the front end's pid; the loop exits when it is gone.
+        parent_pid: the pid of this process's parent (the front end, or the fork server it started);
+            the loop exits once the parent is gone (the fork server leaves when the front end does).
         max_queue_len: waiting-queue bound (0 = unbounded); beyond it adds are answered 429.
     """
 
@@ -169,17 +191,30 @@ class EngineCoreProc:
             return False, False
         while True:
             try:
-                frame = self.inputs.recv(zmq.NOBLOCK, copy=False)
+                reached, stop = self.receive()
             except zmq.Again:
                 return handled, False
-            handled = True
-            message = self.decoder.decode(frame.buffer)
-            if isinstance(message, Shutdown):
+            handled = handled or reached
+            if stop:
                 return True, True
-            if isinstance(message, AbortRequests):
-                self.abort(message.request_ids)
-            else:
-                self.send(self.add(message))
+
+    def receive(self) -> tuple[bool, bool]:
+        """Reads and applies one queued message. Returns (it reached the engine, shutdown requested).
+
+        Raises: zmq.Again when none is queued."""
+        frame = self.inputs.recv(zmq.NOBLOCK, copy=False)
+        return True, self.handle(self.decoder.decode(frame.buffer))
+
+    def handle(self, message: InputMessage) -> bool:
+        """Applies one input message (an add is answered with its ``AddResult``). Returns True on
+        ``Shutdown``."""
+        if isinstance(message, Shutdown):
+            return True
+        if isinstance(message, AbortRequests):
+            self.abort(message.request_ids)
+        else:
+            self.send(self.add(message))
+        return False
 
     def add(self, message: AddRequests) -> AddResult:
         """Queues all children of one prompt, or none: 429 past ``max_queue_len``, 400 if it can't fit
@@ -207,7 +242,7 @@ class EngineCoreProc:
                 self.core.add_request(request)
             except ValueError as e:
                 self.abort(added)
-                return AddResult(message.parent_id, 400, str(e))
+                return AddResult(message.parent_id, 400, str(e), _error_code(e))
             added.append(w.request_id)
             self.live[w.request_id] = request
             self.unscheduled.add(w.request_id)
@@ -222,7 +257,14 @@ class EngineCoreProc:
     def step(self) -> None:
         """One engine step; sends its outputs with the tokens it computed and new queue times."""
         before = {rid: r.num_computed_tokens for rid, r in self.live.items()}
-        outputs = self.core.step()
+        try:
+            outputs = self.core.step()
+        except EngineStepError as e:
+            # NOTE: the core rolled the step back and logged it; only its requests fail.
+            self.abort(e.request_ids)
+            cause = e.__cause__ if e.__cause__ is not None else e
+            self.send(StepFailed(list(e.request_ids), f"{type(cause).__name__}: {cause}"))
+            return
         num_tokens = sum(max(0, r.num_computed_tokens - before[rid]) for rid, r in self.live.items())
         queue_times = {}
         for rid in list(self.unscheduled):
@@ -240,10 +282,19 @@ class EngineCoreProc:
         return msgspec.convert(self.core.stats(), CoreStats, from_attributes=True)
 
 
+def _error_code(e: ValueError) -> str:
+    """The ``AddResult.code`` of a refused request, from the error's type (never its text)."""
+    if isinstance(e, DuplicateRequestError):
+        return "duplicate_request_id"
+    return getattr(e, "code", "") or ""
+
+
 def run_engine_core(
-    model_dir: Path, config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int, log_level: str
+    model_dir: Path, config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int, log_level: str,
+    cpus: list[int] | None = None,
 ) -> None:
-    """Entry point of the spawned engine-core process (see the module docstring).
+    """Entry point of the spawned engine-core process (see the module docstring). ``cpus``: the
+    affinity mask to take before anything else (None: keep the inherited one).
 
     SIGINT and SIGTERM are ignored: the front end drains in-flight requests on SIGTERM and then
     sends ``Shutdown``; the process also leaves on its own when the front end dies.
@@ -251,6 +302,8 @@ def run_engine_core(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cpus)
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
     inputs.connect(input_addr)
@@ -266,10 +319,11 @@ def run_engine_core(
         core = EngineCore(model_dir, config)
         logger.info("engine core (pid %d) ready in %.1f s", os.getpid(), time.monotonic() - t0)
         kernels = core.runner.kernel_status
-        outputs.send(encoder.encode(Ready(core.max_model_len, getattr(core, "num_blocks", 0), kernels.backend,
-                                          kernels.message)))
+        outputs.send(encoder.encode(Ready(core.max_model_len, getattr(core, "num_blocks", 0), config.cache.block_size,
+                                          kernel_backend=kernels.backend, kernel_message=kernels.message)))
         ready = True
-        EngineCoreProc(core, inputs, outputs, parent_pid, config.scheduler.max_queue_len).run()
+        # NOTE: the parent may be the front end's fork server (see core_client), not the front end.
+        EngineCoreProc(core, inputs, outputs, os.getppid(), config.scheduler.max_queue_len).run()
     except Exception as e:
         # NOTE: a bad flag or model while loading (ValueError, FileNotFoundError) is the user's to fix:
         # the front end prints the one-line message. Anything else is a bug: its traceback is logged

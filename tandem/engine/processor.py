@@ -7,6 +7,7 @@ import numbers
 from collections.abc import Sequence
 from typing import Any
 
+from tandem.errors import ContextLengthExceededError, context_length_message
 from tandem.request import Request
 from tandem.sampling_params import SamplingParams, SamplingParamsError, child_seed
 
@@ -23,6 +24,28 @@ class PromptError(ValueError):
 
 
 PromptType = str | list[int] | dict[str, Any]
+
+
+def check_context(max_model_len: int, num_prompt_tokens: int, max_tokens: int | None, param: str = "prompt") -> None:
+    """Refuses a prompt that leaves no room for the completion, or an explicit ``max_tokens`` that does
+    not fit after it (vLLM's 400; absent or null ``max_tokens`` means "up to the context").
+
+    ``param``: the request field holding the prompt ("prompt" for completions, "messages" for chat);
+    it is named in the message and the error.
+
+    Raises:
+        ContextLengthExceededError: ``num_prompt_tokens >= max_model_len`` or
+            ``num_prompt_tokens + max_tokens > max_model_len``.
+    """
+    if num_prompt_tokens >= max_model_len:
+        raise ContextLengthExceededError(context_length_message(
+            max_model_len, f"you requested {num_prompt_tokens} tokens in the {param}, which leaves no room for "
+            f"the completion. Please reduce the length of the {param}."), num_prompt_tokens, max_model_len, param)
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise ContextLengthExceededError(context_length_message(
+            max_model_len, f"you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+            f"{param}, {max_tokens} in the completion). Please reduce the length of the {param} or completion."),
+            num_prompt_tokens + max_tokens, max_model_len, param)
 
 # Normalizers and pre-tokenizers that never delete characters; the value bounds how much a
 # normalizer can shrink the text (NFC/NFKC compose at most 4 code points into one, e.g. U+1F82).
@@ -129,13 +152,14 @@ class InputProcessor:
         """Refuses, before tokenizing, a text too long to fit the context whatever its tokens.
 
         Raises:
-            PromptError: ``text`` is longer than ``max_prompt_chars`` characters.
+            ContextLengthExceededError: ``text`` is longer than ``max_prompt_chars`` characters.
         """
         if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
-            raise PromptError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
-                f"{len(text)} characters, more than the {self.max_prompt_chars} that many tokens can hold "
-                "with this tokenizer", param)
+            verb = "have" if param == "messages" else "has"
+            raise ContextLengthExceededError(context_length_message(
+                self.max_model_len, f"the {param} {verb} {len(text)} characters, more than the "
+                f"{self.max_prompt_chars} that {self.max_model_len} tokens can hold with this tokenizer. "
+                f"Please reduce the length of the {param}."), len(text), self.max_model_len, param)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """Returns (prompt text or None, token ids); adds the tokenizer's BOS like transformers does.
@@ -213,7 +237,8 @@ class InputProcessor:
         request's child i uses seed + i so the n samples differ but stay reproducible.
 
         Raises:
-            PromptError: the prompt leaves no room to generate within ``max_model_len``.
+            ContextLengthExceededError: the prompt leaves no room to generate within ``max_model_len``.
+            SamplingParamsError: a stop token id outside the vocabulary.
         """
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
@@ -221,11 +246,7 @@ class InputProcessor:
                 f"stop token id {bad_stop[0]} is out of the vocabulary [0, {self.vocab_size})", "stop_token_ids"
             )
         n_prompt = len(prompt_token_ids)
-        if n_prompt >= self.max_model_len:
-            raise PromptError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
-                f"{n_prompt} tokens (at least one token must remain for the completion)"
-            )
+        check_context(self.max_model_len, n_prompt, None)
         room = self.max_model_len - n_prompt
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         requests = []

@@ -4,6 +4,16 @@ Each wrapper takes the same tensors as its PyTorch reference and calls the selec
 (``backend()``: ``avx512_bf16`` or ``avx2``). Callers ask the kernel registry (``registry.use(op,
 tokens=T)``, ``tandem/kernels/registry.py``) whether to call it for their operator and size, and keep
 the PyTorch path as the fallback.
+
+The avx2 linear kernels compute each (token, row) output with one 8-lane fp32 accumulator over K in
+order and a fixed final sum, whatever the number of tokens: a token's outputs are bit-identical
+alone, in any batch, or among speculative tokens (batch invariance). Their quantized formats
+quantize the activations as llama.cpp's AVX2 path does (ggml-quants.c ``quantize_row_q8_0``): per
+token and block of 32 along K, ``dx = max|x_b| / 127``, ``xq = round(x / dx)``; exact integer dot
+products with the weight codes, one fp32 multiply by ``d * dx`` per block. Rounding x moves each
+value by at most ``dx / 2``, so an output differs from ``x @ dequant(w).T`` by at most the
+activation bound ``sum_b max|x_b| / 254 * sum_{j in b} |w_j|`` plus fp32 rounding of the block
+terms and the output's bf16 rounding.
 """
 
 from __future__ import annotations
@@ -13,9 +23,19 @@ import torch
 from tandem.kernels.build import load_extension, selected_variant, unsupported_reason
 
 __all__ = [
-    "available", "backend", "dequantize", "linear_bf16", "linear_int4", "linear_int8", "paged_attention", "rms_norm",
-    "rotary", "silu_and_mul", "unavailable_reason",
+    "available", "backend", "dequantize", "linear_bf16", "linear_int4", "linear_int8", "linear_max_tokens",
+    "paged_attention", "rms_norm", "rotary", "silu_and_mul", "unavailable_reason",
 ]
+
+
+def linear_max_tokens() -> int:
+    """The largest token count (rows of ``x``) the selected variant's ``linear_bf16`` kernel should get:
+    the kernel registry's limit (16 on avx512_bf16, where oneDNN's GEMM is faster above; any count,
+    ``registry.UNLIMITED``, on avx2: its blocked fp32 GEMM beats bf16 ``F.linear`` on CPUs without bf16
+    dot products, and one path for every M keeps batch invariance), 0 for the torch backend."""
+    from tandem.kernels import registry
+
+    return registry.max_tokens("linear_bf16")
 
 
 def available(op: str | None = None) -> bool:
@@ -42,9 +62,10 @@ def unavailable_reason(op: str | None = None) -> str | None:
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ weight[N, K].T (+ bias [N])`` -> ``[M, N]``, all bf16, fp32 accumulation.
 
-    Reads ``weight`` row by row in place (streaming); the registry's ``linear_bf16`` limit says up to
-    which M it is used (16 on ``avx512_bf16``, where oneDNN is faster above; any M on ``avx2``).
-    Matches ``F.linear`` up to fp32 summation order and the final bf16 rounding.
+    avx512_bf16: reads ``weight`` row by row in place (streaming, ``vdpbf16ps``); meant for small M
+    (decode). avx2: any M (a GEMV for M <= 3, a cache-blocked fp32 GEMM above), batch invariant (see
+    above). Both match ``F.linear`` in fp32 up to fp32 summation order and the final bf16 rounding
+    (products of bf16 values are exact in fp32).
 
     Raises:
         RuntimeError: wrong dtypes or shapes (raised by the kernel).
@@ -57,7 +78,14 @@ def linear_int8(
 ) -> torch.Tensor:
     """``x [M, K] bf16 @ (qweight [N, K] int8 * scale [N, 1] fp32).T (+ bias)`` -> ``[M, N]`` bf16.
 
-    Per-output-channel symmetric int8 (``tandem.models.quant``); exact products, fp32 accumulation.
+    Per-output-channel symmetric int8 (``tandem.models.quant``); any K. avx512_bf16: exact
+    products, fp32 accumulation. avx2: activations quantized to int8 per block of 32 along K (the
+    last block may be partial) and exact integer dot products, each block scaled by its ``dx``, the
+    row by ``scale``: within the activation bound (module docstring), plus fp32 rounding and the
+    output's bf16 rounding.
+
+    Raises:
+        RuntimeError: wrong dtypes or shapes (raised by the kernel).
     """
     return load_extension().linear_int8(x, qweight, scale, bias)
 
@@ -68,6 +96,8 @@ def linear_int4(
     """``x [M, K] bf16 @ dequant(qweight [N, K/2] uint8, scale [N, K/32] fp16).T (+ bias)`` -> ``[M, N]``.
 
     Group-wise (32) symmetric int4 in llama.cpp Q4_0's nibble layout (``tandem.models.quant``).
+    avx2: activations quantized per block of 32 (ggml-quants.c ``ggml_vec_dot_q4_0_q8_0``): error
+    bound: the activation bound (module docstring), plus fp32 rounding and the output's bf16 rounding.
 
     Raises:
         RuntimeError: K is not a multiple of 32, or wrong dtypes/shapes (raised by the kernel).
@@ -76,7 +106,11 @@ def linear_int4(
 
 
 def dequantize(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The bf16 weight ``[N, K]`` (``bf16(q * scale)``) of an int8 or int4 layer (formats as above)."""
+    """The bf16 weight ``[N, K]`` (``bf16(q * scale)``) of an int8 or int4 layer (formats as above).
+
+    Raises:
+        RuntimeError: wrong dtypes or shapes (raised by the kernel).
+    """
     return load_extension().dequantize(qweight, scale)
 
 
@@ -146,7 +180,10 @@ def linear_q8_0(
     per block. So an output differs from ``x @ dequant(w).T`` by at most ``sum_b dx_b / 2 * sum_j |w_bj|``
     (block b of x and of the weight row; ``dx_b / 2 = max|x_b| / 254``) plus fp32 rounding.
     ``TANDEM_Q8_0_EXACT=1`` (read on every call) gives exact products in fp32 instead; M > 1 multiplies
-    x by the weights rounded to bf16, ``bf16(q * d)``.
+    x by the weights rounded to bf16, ``bf16(q * d)``. The avx2 variant quantizes the activations the
+    same way at every M (``ggml_vec_dot_q8_0_q8_0``'s AVX2 path: ``_mm256_maddubs_epi16`` of ``|q|``
+    with ``sign(xq, q)``), so the same bound holds for every token, batch invariant, and ignores
+    ``TANDEM_Q8_0_EXACT``.
 
     Raises:
         RuntimeError: K is not a multiple of 32, or wrong dtypes/shapes (raised by the kernel).
@@ -160,7 +197,10 @@ def linear_q4_1(
     """``x [M, K] bf16 @ (u * d + m).T (+ bias)`` -> ``[M, N]`` bf16, u the nibbles of ``qweight``.
 
     ``qweight [N, K/2]`` uint8 in Q4_0's nibble layout (u in 0..15, no offset), ``scale [N, K/32, 2]``
-    fp16 pairs (d, m): llama.cpp's Q4_1 blocks (ggml-quants.c ``dequantize_row_q4_1``).
+    fp16 pairs (d, m): llama.cpp's Q4_1 blocks (ggml-quants.c ``dequantize_row_q4_1``). avx2:
+    activations quantized per block of 32 (``ggml_vec_dot_q4_1_q8_1``: ``d * dx * sum u xq`` plus
+    ``m * dx * sum xq``): within the activation bound (module docstring, ``w = u d + m``), plus fp32
+    rounding and the output's bf16 rounding.
 
     Raises:
         RuntimeError: K is not a multiple of 32, or wrong dtypes/shapes (raised by the kernel).

@@ -17,7 +17,8 @@ ggml-quants.c ``dequantize_row_q8_0`` / ``_q4_1``; GGUF Q4_0 is exactly ``int4``
 ``QuantizedLinear.empty`` makes a q8_0 / q4_1 layer's ``qweight`` and ``scale`` strided views of one buffer
 (per row: its scales, then its codes, each starting 64-byte aligned), so a layer is one sequential stream.
 The C++ kernels (``tandem.kernels.linear_int8/int4/q8_0/q4_1``) multiply bf16 activations with these
-formats up to the token count the kernel registry allows (``tandem/kernels/registry.py``); above it
+formats up to the token count the kernel registry allows (``tandem/kernels/registry.py``; avx2: every
+batch, activations quantized per block of 32 as llama.cpp does); above it
 (prefill on ``avx512_bf16``) the kernel dequantizes the weight for one oneDNN GEMM per call. On the
 torch backend (no kernel for the format) the layer dequantizes its weight once, on first use, and keeps
 the dense copy (fp32 on CPUs without bf16 dot products, where fp32 GEMMs are faster): dequantizing on

@@ -1,7 +1,8 @@
 """The FastAPI application: routes, API-key check, cancellation on disconnect, engine lifecycle.
 
 Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models[/{id}]`` (API key required when one
-is set), and ``/health``, ``/version``, ``/tokenize``, ``/detokenize``, ``/metrics`` (open, as in vLLM).
+is set), and ``/health``, ``/load``, ``/version``, ``/tokenize``, ``/detokenize``, ``/metrics`` (open,
+as in vLLM). Handlers only use ``AsyncLLM``'s public methods.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from tandem.server.protocol import (
     TokenizeRequest,
 )
 from tandem.server.serving_chat import OpenAIServingChat
-from tandem.server.serving_completions import ModelNames, OpenAIServingCompletion
+from tandem.server.serving_common import ModelNames
+from tandem.server.serving_completions import OpenAIServingCompletion
 
 
 async def _wait_for_disconnect(raw: Request) -> None:
@@ -111,19 +113,19 @@ def build_app(
     started = int(time.time())
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(ArrivalMiddleware)  # NOTE: added last, so it runs first
     v1 = APIRouter(prefix="/v1")
 
     @v1.post("/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
-        return await cancel_on_disconnect(raw, completions.create(body))
+        return await cancel_on_disconnect(raw, completions.create(body, arrival_time(raw)))
 
     @v1.post("/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await cancel_on_disconnect(raw, chat.create(body))
+        return await cancel_on_disconnect(raw, chat.create(body, arrival_time(raw)))
 
     def card(name: str) -> ModelCard:
-        return ModelCard(id=name, created=started, root=str(engine.frontend.model_dir),
-                         max_model_len=engine.max_model_len)
+        return ModelCard(id=name, created=started, root=engine.model_dir, max_model_len=engine.max_model_len)
 
     @v1.get("/models")
     async def list_models() -> dict[str, Any]:
@@ -145,10 +147,13 @@ def _add_service_routes(app: FastAPI, engine: AsyncLLM, names: ModelNames, metri
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
-        if not engine.is_healthy:
-            reason = str(engine.dead) if engine.dead else "the engine core is not running"
-            raise errors.engine_unavailable(reason)
+        engine.check_available()
         return Response(status_code=200)
+
+    @app.get("/load")
+    async def load() -> JSONResponse:
+        """Running / waiting engine requests, KV usage (0..1), block size (tokens), instance id."""
+        return JSONResponse(engine.load())
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -163,29 +168,37 @@ def _add_service_routes(app: FastAPI, engine: AsyncLLM, names: ModelNames, metri
         names.resolve(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise errors.bad_request("give exactly one of prompt or messages", "prompt")
-        ids = await engine.run_in_tokenizer(_tokenize, engine, body)
+        source = body.prompt if body.messages is None else [m.to_template_message(i) for i, m in
+                                                            enumerate(body.messages)]
+        ids = await engine.run_in_tokenizer(engine.count_tokens, source, body.add_special_tokens,
+                                            body.add_generation_prompt)
         return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                              "token_strs": None})
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
         names.resolve(body.model)
-        vocab = engine.frontend.hf_config.vocab_size
+        vocab = engine.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise PromptError(f"token id {bad[0]} is out of the vocabulary [0, {vocab})", "tokens")
-        return JSONResponse({"prompt": await engine.run_in_tokenizer(engine.tokenizer.decode, body.tokens)})
+        return JSONResponse({"prompt": await engine.run_in_tokenizer(engine.decode, body.tokens)})
 
 
-def _tokenize(engine: AsyncLLM, body: TokenizeRequest) -> list[int]:
-    """Token ids of a /tokenize request (runs in the tokenizer thread). No length limit: counting the
-    tokens of a long text is a use of this route.
 
-    Raises:
-        SamplingParamsError / PromptError: an unsupported message part or a failing chat template.
-    """
-    if body.messages is not None:
-        text = engine.processor.apply_chat_template(
-            [m.to_template_message(i) for i, m in enumerate(body.messages)], body.add_generation_prompt)
-        return list(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
-    return list(engine.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+def arrival_time(raw: Request) -> float:
+    """``time.monotonic()`` when the request arrived (stamped by ``ArrivalMiddleware``, else now)."""
+    return raw.scope.get("tandem.arrival", time.monotonic())
+
+
+class ArrivalMiddleware:
+    """Stamps ``scope["tandem.arrival"]`` (monotonic seconds) as the request arrives, before the body
+    is read and validated: TTFT and e2e latency start there, as in vLLM."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope["tandem.arrival"] = time.monotonic()
+        await self.app(scope, receive, send)

@@ -1,9 +1,12 @@
 """``tandem serve``: load the tokenizer here, the model in an engine-core process, then run uvicorn.
 
-The listening port is bound first, so a port in use fails at once, before any model loads.
-SIGTERM or SIGINT (Ctrl-C): uvicorn stops accepting connections and lets in-flight requests finish for up
-to ``--shutdown-timeout`` seconds; requests still running then are ended with an error (streams get an
-error event and ``[DONE]``); then the engine core is stopped and the command exits 0.
+The listening port is bound (and listened on) first, so a port in use fails at once, before any
+model loads. ``serve()`` is the function a launcher calls; ``cmd_serve`` maps the flags onto
+``EngineConfig`` and ``ServerConfig`` and calls it. SIGTERM or SIGINT (Ctrl-C): uvicorn stops accepting
+connections and lets in-flight requests finish for up to ``--shutdown-timeout`` seconds; requests
+still running then are ended with an error (streams get an error event and ``[DONE]``); then the
+engine core is stopped and the command exits 0. A core that dies is restarted (see
+``tandem/engine/supervisor.py``).
 """
 
 from __future__ import annotations
@@ -17,8 +20,11 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import Any
+
+from tandem.config import DEFAULT_MAX_QUEUE_LEN, EngineConfig, ParallelConfig, ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +34,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 def add_serve_parser(
     sub: argparse._SubParsersAction, add_engine_args: Callable[[argparse.ArgumentParser], None]
 ) -> None:
-    """Registers ``serve`` with the engine flags and the server flags (vLLM spelling)."""
+    """Registers ``serve`` with the engine flags and the server flags (vLLM spelling), one per
+    ``ServerConfig`` field."""
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     # NOTE: the engine core has a process of its own here, so its threads are pinned by default.
     add_engine_args(p, cpu_bind_default="auto")
@@ -38,12 +45,31 @@ def add_serve_parser(
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY"),
                    help="require this bearer key on /v1 routes (default: $TANDEM_API_KEY)")
-    p.add_argument("--max-queue-len", type=int, default=0,
-                   help="waiting requests beyond which new ones get 429 (0 = unbounded)")
+    p.add_argument("--max-queue-len", type=int, default=DEFAULT_MAX_QUEUE_LEN,
+                   help="waiting engine requests (queued in the core, or being tokenized) beyond which new "
+                        f"ones get 429 with Retry-After (default {DEFAULT_MAX_QUEUE_LEN}; 0 = unbounded)")
     p.add_argument("--log-requests", action="store_true", help="log prompt text and parameters")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM; then they end with an error")
+    p.add_argument("--core-restart-limit", type=int, default=3,
+                   help="a dead engine core is restarted unless this is its Nth death within "
+                        "--core-restart-window seconds (a crash loop; default 3; 1 = never restart)")
+    p.add_argument("--core-restart-window", type=float, default=60.0, help="seconds (default 60)")
+    p.add_argument("--instance-id", default=None, help="this server's id in /load and /metrics (default: a uuid)")
+    from tandem.cli import add_parallel_args
+
+    add_parallel_args(p, listen=False)
     p.set_defaults(func=cmd_serve)
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The frozen ServerConfig of the parsed flags (validation happens in the dataclass)."""
+    return ServerConfig(
+        host=args.host, port=args.port, api_key=args.api_key,
+        served_model_names=tuple(args.served_model_name or ()), log_requests=args.log_requests,
+        shutdown_timeout=args.shutdown_timeout, core_restart_limit=args.core_restart_limit,
+        core_restart_window=args.core_restart_window, instance_id=args.instance_id,
+    )
 
 
 def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
@@ -53,9 +79,14 @@ def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` (not yet listening: clients are refused until uvicorn
-    serves). Raises: OSError when the port is outside 0-65535, the address is in use or cannot be
-    resolved."""
+    """A TCP socket bound to ``host:port`` and listening (connections wait in the backlog until
+    uvicorn serves). Raises: OSError when the port is outside 0-65535, the address is in use or
+    cannot be resolved.
+
+    NOTE: ``SO_REUSEADDR`` lets a restarted server bind over connections in TIME_WAIT, but on Linux it
+    also lets two sockets bind the same port as long as neither listens: listening at once makes a
+    second server fail here, instead of both passing the check.
+    """
     if not 0 <= port <= 65535:
         # NOTE: getaddrinfo would wrap it modulo 65536 and bind another port without a word.
         raise OSError(f"port must be 0-65535, got {port}")
@@ -64,6 +95,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
+        sock.listen(2048)
     except OSError:
         sock.close()
         raise
@@ -94,71 +126,51 @@ def make_server(config: Any, shutdown_timeout: float, on_deadline: Callable[[], 
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Runs the server until SIGTERM/SIGINT. Returns 0 after a graceful shutdown.
+    """``tandem serve``: the flags as configs, then ``serve``. Raises: see ``serve``."""
+    from tandem.cli import engine_config_from_args, parallel_config_from_args
+
+    log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+    return serve(engine_config_from_args(args), server_config_from_args(args), log_level,
+                 default_name=args.model or DEFAULT_MODEL_NAME, parallel_config=parallel_config_from_args(args))
+
+
+def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "WARNING",
+          default_name: str = DEFAULT_MODEL_NAME, parallel_config: ParallelConfig | None = None) -> int:
+    """Runs the server until SIGTERM/SIGINT. Returns 0 after a graceful shutdown, 1 when the port
+    cannot be bound, the engine-core process fails while loading the model, or the remote engine
+    core (``parallel_config.engine_address``) cannot be reached or refuses this server.
+
+    ``log_level``: the engine core's logging level. ``default_name``: the served model name when
+    ``server_config.served_model_names`` is empty. With an ``engine_address`` no model is loaded
+    here: ``engine_config.model`` only names the tokenizer's folder (and chat template).
 
     Raises:
-        ValueError / FileNotFoundError: bad flags or model (the CLI prints them and exits 2).
-    Returns 1 when the port cannot be bound or the engine-core process fails while loading the model.
+        ValueError / FileNotFoundError: bad config or model (the CLI prints them and exits 2).
     """
-    from tandem.cli import engine_config_from_args
-    from tandem.engine.core_client import EngineCoreClient, EngineCoreStartError
-    from tandem.engine.loading import load_chat_template
-    from tandem.models.resolve import resolve_model_path
-    from tandem.worker.cpu_env import pin_frontend, plan_cpus
+    from tandem.worker.cpu_env import allowed_cpus, plan_cpus
 
     t0 = time.monotonic()
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
     logging.getLogger("tandem.requests").setLevel(logging.INFO)
-    config = engine_config_from_args(args)
-    plan_cpus(config.cpu_bind, config.num_threads)  # NOTE: a bad --cpu-bind fails here, before the core starts
-    names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    plan_cpus(engine_config.cpu_bind, engine_config.num_threads)  # NOTE: a bad --cpu-bind fails before the core starts
+    names = list(server_config.served_model_names) or [default_name]
+    host, port = server_config.host, server_config.port
     try:
-        sock = bind_socket(args.host, args.port)
+        sock = bind_socket(host, port)
     except OSError as e:
-        print(f"tandem: error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        print(f"tandem: error: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr)
         return 1
-    log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+    remote = parallel_config is not None and parallel_config.engine_address is not None
     try:
-        load_chat_template(config.model.chat_template)  # NOTE: a bad --chat-template fails before the core starts
-        # NOTE: the core is spawned before the front end imports FastAPI, uvicorn and transformers (which
-        # imports torch): those imports and the tokenizer load then overlap the core's model load.
-        client = EngineCoreClient.start(resolve_model_path(config.model.model), config, log_level)
-        try:
-            import uvicorn
-
-            from tandem.engine.async_llm import AsyncLLM
-            from tandem.engine.loading import load_frontend
-            from tandem.server.app import build_app
-            from tandem.server.metrics import ServerMetrics
-
-            frontend = load_frontend(config)
-            logger.info("front end ready in %.1f s; waiting for the engine core", time.monotonic() - t0)
-            client.wait_ready()
-        except EngineCoreStartError as e:
-            client.close()
-            print(f"tandem: error: {e}", file=sys.stderr)
+        if remote:
+            engine = _connect_engine(engine_config, server_config, parallel_config)
+        else:
+            engine = _start_engine(engine_config, server_config, log_level, allowed_cpus(), t0)
+        if engine is None:
             return 1
-        except BaseException:
-            client.close()
-            raise
-        engine = AsyncLLM(frontend, client, log_requests=args.log_requests,
-                          max_queue_len=config.scheduler.max_queue_len)
         try:
-            # NOTE: after the spawn: the core inherits the mask of this process and then pins itself.
-            pin_frontend(config.cpu_bind, config.num_threads)
-            metrics = ServerMetrics(names[0], core_pid=lambda: engine.client.pid if engine.is_healthy else None,
-                                    kernel_backend=client.kernel_backend)
-            engine.metrics = metrics
-            app = build_app(engine, names, args.api_key, metrics)
-            print(f"tandem: engine ready in {time.monotonic() - t0:.1f} s (core pid {engine.client.pid}, "
-                  f"kernels {client.kernel_backend}); "
-                  f"serving {names[0]} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-            # NOTE: uvicorn's own drain timeout is a backstop; ours ends the requests first, cleanly.
-            uv_config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=5,
-                                       timeout_graceful_shutdown=args.shutdown_timeout + 5.0)
-            server = make_server(uv_config, args.shutdown_timeout, lambda: _end_in_flight(engine, args))
-            server.run(sockets=[sock])
+            _run(engine, engine_config, server_config, names, sock, t0)
         finally:
             engine.client.close()
     finally:
@@ -166,8 +178,105 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _end_in_flight(engine: Any, args: argparse.Namespace) -> None:
+def _start_engine(engine_config: EngineConfig, server_config: ServerConfig, log_level: str, cpus: list[int],
+                  t0: float) -> Any:
+    """Spawns the core, loads the front end meanwhile, waits for the core. Returns the ``AsyncLLM``,
+    or None after printing why the core failed to start. Raises: ValueError / FileNotFoundError."""
+    from tandem.engine.core_client import EngineCoreClient, EngineCoreStartError
+    from tandem.engine.loading import load_chat_template
+    from tandem.models.resolve import resolve_model_path
+
+    load_chat_template(engine_config.model.chat_template)  # NOTE: a bad --chat-template fails before the core starts
+    model_dir: Path = resolve_model_path(engine_config.model.model)
+    # NOTE: the core is spawned before the front end imports FastAPI, uvicorn and transformers (which
+    # imports torch): those imports and the tokenizer load then overlap the core's model load.
+    client = EngineCoreClient.start(model_dir, engine_config, log_level, cpus)
+    try:
+        from tandem.engine.async_llm import AsyncLLM
+        from tandem.engine.loading import load_frontend
+        from tandem.engine.supervisor import CrashLoopGuard
+
+        frontend = load_frontend(engine_config)
+        logger.info("front end ready in %.1f s; waiting for the engine core", time.monotonic() - t0)
+        client.wait_ready()
+    except EngineCoreStartError as e:
+        client.close()
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return None
+    except BaseException:
+        client.close()
+        raise
+    guard = CrashLoopGuard(server_config.core_restart_limit, server_config.core_restart_window)
+    return AsyncLLM(
+        frontend, client, log_requests=server_config.log_requests,
+        max_queue_len=engine_config.scheduler.max_queue_len, guard=guard, instance_id=server_config.instance_id,
+        # NOTE: a restarted core gets the mask the server had before pinning its front end.
+        start_core=lambda: EngineCoreClient.launch(model_dir, engine_config, log_level, cpus),
+    )
+
+
+def _connect_engine(engine_config: EngineConfig, server_config: ServerConfig, parallel: Any) -> Any:
+    """Connects to the engine core at ``parallel.engine_address`` and loads the tokenizer. Returns the
+    ``AsyncLLM``, or None after printing why the core cannot be used.
+
+    Raises:
+        ValueError / FileNotFoundError: bad tokenizer folder, or one whose vocabulary differs from the
+            core's model.
+    """
+    from tandem.engine.async_llm import AsyncLLM
+    from tandem.engine.core_client import EngineCoreStartError
+    from tandem.engine.loading import load_frontend
+    from tandem.engine.remote_client import RECONNECT_TIMEOUT_S, RemoteCoreSupervisor, RemoteEngineCoreClient
+
+    address, secret = parallel.engine_address, parallel.secret()
+    frontend = load_frontend(engine_config)
+    try:
+        client = RemoteEngineCoreClient.connect(address, secret)
+    except EngineCoreStartError as e:
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return None
+    if client.vocab_size and client.vocab_size != frontend.hf_config.vocab_size:
+        client.close()
+        raise ValueError(f"the engine core at {address} serves {client.model!r} (vocabulary {client.vocab_size}) "
+                         f"but --model {frontend.model_dir} has a vocabulary of {frontend.hf_config.vocab_size}: "
+                         "pass the engine's model folder as --model")
+    return AsyncLLM(
+        frontend, client, log_requests=server_config.log_requests,
+        max_queue_len=engine_config.scheduler.max_queue_len, instance_id=server_config.instance_id,
+        start_core=lambda: RemoteEngineCoreClient.connect(address, secret, RECONNECT_TIMEOUT_S),
+        supervisor_cls=RemoteCoreSupervisor,
+    )
+
+
+def _run(engine: Any, engine_config: EngineConfig, server_config: ServerConfig, names: list[str],
+         sock: socket.socket, t0: float) -> None:
+    """Builds the app around a ready engine and serves on ``sock`` until shutdown."""
+    import uvicorn
+
+    from tandem.server.app import build_app
+    from tandem.server.metrics import ServerMetrics
+    from tandem.worker.cpu_env import pin_frontend
+
+    core_pid = engine.client.pid
+    if core_pid is not None:
+        # NOTE: after the spawn: the core inherits the mask of this process and then pins itself.
+        pin_frontend(engine_config.cpu_bind, engine_config.num_threads)
+    where = f"core pid {core_pid}" if core_pid is not None else f"core at {getattr(engine.client, 'address', '?')}"
+    metrics = ServerMetrics(names[0], core_pid=lambda: engine.client.pid if engine.is_healthy else None,
+                            instance_id=engine.instance_id, kernel_backend=engine.client.kernel_backend)
+    engine.metrics = metrics
+    app = build_app(engine, names, server_config.api_key, metrics)
+    print(f"tandem: engine ready in {time.monotonic() - t0:.1f} s ({where}, kernels {engine.client.kernel_backend}); "
+          f"serving {names[0]} on http://{server_config.host}:{server_config.port}", file=sys.stderr, flush=True)
+    timeout = server_config.shutdown_timeout
+    # NOTE: uvicorn's own drain timeout is a backstop; ours ends the requests first, cleanly.
+    uv_config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=5,
+                               timeout_graceful_shutdown=timeout + 5.0)
+    server = make_server(uv_config, timeout, lambda: _end_in_flight(engine, timeout))
+    server.run(sockets=[sock])
+
+
+def _end_in_flight(engine: Any, timeout: float) -> None:
     count = engine.end_all("the server is shutting down")
     if count:
-        logger.warning("shutdown timeout (%.1f s) reached: ended %d request(s) still running",
-                       args.shutdown_timeout, count)
+        logger.warning("shutdown timeout (%.1f s) reached: ended %d request(s) still running", timeout, count)

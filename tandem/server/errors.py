@@ -8,6 +8,7 @@ consistent; FastAPI exception handlers turn validation errors, ``ValueError`` su
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -15,8 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tandem.engine.async_llm import EngineDeadError, EngineRequestError
 from tandem.engine.processor import PromptError
+from tandem.errors import ContextLengthExceededError, DuplicateRequestError, EngineDeadError, EngineRequestError
 from tandem.sampling_params import SamplingParamsError
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,8 @@ class APIError(Exception):
     """An error answered with an HTTP status and an OpenAI error body."""
 
     def __init__(
-        self, status: int, message: str, type: str, param: str | None = None, code: str | None = None
+        self, status: int, message: str, type: str, param: str | None = None, code: str | None = None,
+        retry_after: float | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -34,13 +36,19 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.retry_after = retry_after  # seconds, sent as the Retry-After header (429, 503)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def headers(self) -> dict[str, str]:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))  # NOTE: whole seconds (RFC 9110)
+        return headers
+
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers())
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -61,30 +69,32 @@ def model_not_found(model: str) -> APIError:
     )
 
 
-def queue_full(message: str) -> APIError:
-    """429: the engine's waiting queue is full (``--max-queue-len``)."""
-    return APIError(429, message, "rate_limit_error", None, "queue_full")
+def queue_full(message: str, retry_after: float | None = 1.0) -> APIError:
+    """429 with ``Retry-After``: a waiting queue is full (``--max-queue-len``, the tokenizer's, the core's)."""
+    return APIError(429, message, "rate_limit_error", None, "queue_full", retry_after)
 
 
-def engine_unavailable(message: str = "the engine core is not running") -> APIError:
-    """503: the engine core process is dead or the server is shutting down."""
-    return APIError(503, message, "service_unavailable", None, "engine_unavailable")
+def engine_unavailable(message: str = "the engine core is not running", retry_after: float | None = None) -> APIError:
+    """503: the engine core is dead, restarting (with ``Retry-After``) or the server is shutting down."""
+    return APIError(503, message, "service_unavailable", None, "engine_unavailable", retry_after)
 
 
 def from_value_error(e: ValueError) -> APIError:
-    """400 from a ``SamplingParamsError`` / ``PromptError`` (their ``param`` names the field)."""
-    message = str(e)
-    code = "context_length_exceeded" if "maximum context length" in message else None
-    return bad_request(message, getattr(e, "param", None), code)
+    """400 from a ``SamplingParamsError`` / ``PromptError`` / typed request error (``param`` names the
+    field; ``ContextLengthExceededError`` carries the code ``context_length_exceeded``)."""
+    code = "duplicate_request_id" if isinstance(e, DuplicateRequestError) else getattr(e, "code", None)
+    return bad_request(str(e), getattr(e, "param", None), code)
 
 
 def from_engine_error(e: EngineRequestError | EngineDeadError) -> APIError:
-    """Maps an engine rejection (400 / 429) or the engine's death (503) to an ``APIError``."""
+    """Maps an engine rejection (400 / 429) or the engine's absence (503) to an ``APIError``."""
     if isinstance(e, EngineDeadError):
-        return engine_unavailable(str(e))
+        return engine_unavailable(str(e), e.retry_after)
     if e.status == 429:
-        return queue_full(e.message)
-    return bad_request(e.message)
+        return queue_full(e.message, e.retry_after)
+    if e.status >= 500:
+        return APIError(e.status, e.message, "internal_error", None, "engine_step_failed")
+    return bad_request(e.message, None, e.code)
 
 
 _SCALAR_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
@@ -96,13 +106,22 @@ def _is_union_tag(part: str | int) -> bool:
     return isinstance(part, str) and not part.startswith("[") and ("[" in part or part in _SCALAR_TAGS)
 
 
-def _validation_error(exc: RequestValidationError) -> APIError:
+# The field a body must have, per route: named in the 400 for a missing or empty body.
+REQUIRED_FIELD = {"/v1/completions": "prompt", "/v1/chat/completions": "messages", "/detokenize": "tokens"}
+
+
+def _validation_error(exc: RequestValidationError, path: str = "") -> APIError:
     """400 for the first failing field. ``param`` is the top-level field (``prompt``, ``messages``);
-    the message gives the full path. A union that matched no member lists the members it expects."""
+    the message gives the full path. A union that matched no member lists the members it expects.
+    A missing body names the route's required field."""
     errors = exc.errors()
     if not errors:
         return bad_request("invalid request")
     first = errors[0]
+    if tuple(first.get("loc", ())) == ("body",) and first.get("type") in ("missing", "model_attributes_type"):
+        required = REQUIRED_FIELD.get(path)
+        needs = f" with the field {required!r}" if required else ""
+        return bad_request(f"the request body must be a JSON object{needs}", required)
     if first.get("type") == "json_invalid":
         return bad_request(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip())
     loc = [p for p in first.get("loc", ()) if p != "body"]
@@ -130,8 +149,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).response()
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc, request.url.path).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -140,6 +159,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(SamplingParamsError)
     @app.exception_handler(PromptError)
+    @app.exception_handler(ContextLengthExceededError)
+    @app.exception_handler(DuplicateRequestError)
     async def _value(_: Request, exc: ValueError) -> JSONResponse:
         return from_value_error(exc).response()
 

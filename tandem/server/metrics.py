@@ -36,31 +36,32 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class ServerMetrics:
-    """All Prometheus series of one server, labelled with ``model_name``.
+    """All Prometheus series of one server, labelled with ``model_name`` and ``instance_id``.
 
     Args:
         model_name: the served model name (the ``model_name`` label, as in vLLM).
         core_pid: a callable giving the engine-core pid (for its resident memory; None once it is
             gone), or None.
+        instance_id: this server's id (the ``instance_id`` label; routers tell engines apart by it).
         kernel_backend: the engine core's kernel path (``tandem/kernels/registry.py``), exported as the
-            info-style gauge ``tandem:kernel_backend_info{model_name, backend} 1``; None exports none.
+            info-style gauge ``tandem:kernel_backend_info{model_name, instance_id, backend} 1``; None: none.
     """
 
     def __init__(self, model_name: str, core_pid: Callable[[], int | None] | None = None,
-                 kernel_backend: str | None = None) -> None:
+                 instance_id: str = "", kernel_backend: str | None = None) -> None:
         self.registry = CollectorRegistry()
         self.core_pid = core_pid
-        reg, labels = self.registry, ["model_name"]
+        reg, labels, values = self.registry, ["model_name", "instance_id"], (model_name, instance_id)
         ProcessCollector(registry=reg)  # process_resident_memory_bytes etc. of the front end
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"tandem:{name}", doc, labels, registry=reg).labels(model_name)
+            return Gauge(f"tandem:{name}", doc, labels, registry=reg).labels(*values)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(f"tandem:{name}", doc, labels, registry=reg).labels(model_name)
+            return Counter(f"tandem:{name}", doc, labels, registry=reg).labels(*values)
 
         def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
-            return Histogram(f"tandem:{name}", doc, labels, buckets=buckets, registry=reg).labels(model_name)
+            return Histogram(f"tandem:{name}", doc, labels, buckets=buckets, registry=reg).labels(*values)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -74,14 +75,15 @@ class ServerMetrics:
         self.spec_num_drafts = counter("spec_decode_num_drafts", "Speculative verifications (one per request step).")
         self.spec_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
         self.spec_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.core_restarts = counter("engine_core_restarts", "Engine-core processes restarted after a death.")
         self._spec_per_pos = Counter("tandem:spec_decode_num_accepted_tokens_per_pos",
                                      "Draft tokens accepted, by draft position (0-based).",
-                                     ["model_name", "position"], registry=reg)
+                                     [*labels, "position"], registry=reg)
         self._success = Counter("tandem:request_success", "Finished requests by finish reason.",
-                                ["model_name", "finished_reason"], registry=reg)
-        self.model_name = model_name
+                                [*labels, "finished_reason"], registry=reg)
+        self.labels = values
         for reason in ("stop", "length", "abort"):
-            self._success.labels(model_name, reason)  # NOTE: export zeros before the first finish
+            self._success.labels(*values, reason)  # NOTE: export zeros before the first finish
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_LATENCY_BUCKETS)
@@ -92,7 +94,7 @@ class ServerMetrics:
         self._last = CoreStats()
         if kernel_backend is not None:
             Gauge("tandem:kernel_backend_info", "Kernel path of the engine core (the backend label); always 1.",
-                  ["model_name", "backend"], registry=reg).labels(model_name, kernel_backend).set(1)
+                  [*labels, "backend"], registry=reg).labels(*values, kernel_backend).set(1)
 
     def record_step(self, stats: CoreStats, num_batched_tokens: int) -> None:
         """Gauges from the snapshot; counters by the increase of the core's cumulative counters."""
@@ -109,7 +111,7 @@ class ServerMetrics:
         previous = last.spec_num_accepted_tokens_per_pos
         for pos, count in enumerate(stats.spec_num_accepted_tokens_per_pos):
             before = previous[pos] if pos < len(previous) else 0
-            self._spec_per_pos.labels(self.model_name, str(pos)).inc(max(0, count - before))
+            self._spec_per_pos.labels(*self.labels, str(pos)).inc(max(0, count - before))
         self._last = stats
         if num_batched_tokens > 0:
             self.iteration_tokens.observe(num_batched_tokens)
@@ -127,8 +129,11 @@ class ServerMetrics:
             self.itl.observe(itl)
 
     def record_finished(self, finish_reason: str, e2e: float) -> None:
-        self._success.labels(self.model_name, finish_reason).inc()
+        self._success.labels(*self.labels, finish_reason).inc()
         self.e2e.observe(e2e)
+
+    def record_core_restart(self) -> None:
+        self.core_restarts.inc()
 
     def clear_gauges(self) -> None:
         """Zeroes the core's gauges: it is gone, so nothing runs, waits or holds KV blocks."""

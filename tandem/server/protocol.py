@@ -1,9 +1,10 @@
 """OpenAI request and response schemas (pydantic), following the OpenAI API reference.
 
 Requests accept the OpenAI fields plus vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``ignore_eos``, ``stop_token_ids``); unknown fields are ignored, as OpenAI and vLLM
-do. Fields that Tandem cannot honour (``logit_bias``, ``suffix``, ``best_of``, tools, JSON modes) are
-rejected with 400 instead of being silently dropped.
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``request_id``); unknown fields are ignored, as
+OpenAI and vLLM do. Fields that Tandem knows but cannot honour (``logit_bias``, ``suffix``,
+``best_of``, tools, ``tool_choice``, ``parallel_tool_calls``, JSON modes, vLLM's ``guided_*``
+structured output) are refused with a 400 naming the field instead of being silently dropped.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ INT32_MAX = 2**31 - 1  # token counts, token ids and top_k are far below it
 TokenId = Annotated[int, Strict()]  # NOTE: Strict rejects true/false (lax mode reads them as 1/0)
 BoundedTokenId = Annotated[int, Strict(), Field(ge=0, le=INT32_MAX)]
 TokenCount = Annotated[int, Field(le=INT32_MAX)]
+# Fields of both endpoints that Tandem knows and does not honour: a non-null value is a 400 naming it.
+UNSUPPORTED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+                      "structured_outputs", "prompt_logprobs", "allowed_token_ids", "bad_words", "logits_processors")
 
 
 def _first_lone_surrogate(value: Any) -> str | None:
@@ -95,7 +99,25 @@ class SamplingRequest(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    request_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")] | None = None
     logit_bias: dict[str, float] | None = None
+    # NOTE: known fields Tandem does not honour yet: a non-null value is refused (400, param = the field).
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    structured_outputs: Any = None
+    prompt_logprobs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+
+    def refuse_unsupported(self, names: tuple[str, ...]) -> None:
+        """Raises: SamplingParamsError for the first of ``names`` given a non-null value."""
+        for name in names:
+            if getattr(self, name) is not None:
+                raise SamplingParamsError(f"{name} is not supported", name)
 
     @property
     def include_usage(self) -> bool:
@@ -112,6 +134,7 @@ class SamplingRequest(OpenAIModel):
         """
         if self.logit_bias:
             raise SamplingParamsError("logit_bias is not supported", "logit_bias")
+        self.refuse_unsupported(UNSUPPORTED_FIELDS)
         if self.stream_options is not None and not self.stream:
             raise SamplingParamsError("stream_options is only allowed when stream is true", "stream_options")
         changes: dict[str, Any] = {
@@ -193,6 +216,11 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    prediction: Any = None
+    audio: Any = None
     add_generation_prompt: bool = True
 
     def sampling_params(self, defaults: SamplingParams) -> SamplingParams:
@@ -203,6 +231,10 @@ class ChatCompletionRequest(SamplingRequest):
             raise SamplingParamsError(message, "response_format")
         if self.tools:
             raise SamplingParamsError("tools are not supported", "tools")
+        if self.tool_choice is not None and self.tool_choice != "none":
+            raise SamplingParamsError("tool_choice is only allowed when tools are given, and tools are not "
+                                      "supported", "tool_choice")
+        self.refuse_unsupported(("parallel_tool_calls", "functions", "function_call", "prediction", "audio"))
         if self.top_logprobs is not None:
             if not 0 <= self.top_logprobs <= 20:
                 raise SamplingParamsError("top_logprobs must be an integer in [0, 20]", "top_logprobs")

@@ -8,13 +8,13 @@ chunk (``choices: []``) comes last when asked for, then ``data: [DONE]``.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tandem.engine.async_llm import AsyncLLM, EngineDeadError, EngineRequestError, RequestStream
+from tandem.engine.processor import check_context
 from tandem.outputs import CompletionOutput
 from tandem.sampling_params import SamplingParams
 from tandem.server.protocol import (
@@ -25,14 +25,14 @@ from tandem.server.protocol import (
     UsageInfo,
     chat_logprobs,
 )
-from tandem.server.serving_completions import (
+from tandem.server.serving_common import (
     DONE,
     ModelNames,
-    check_context,
     check_queue_room,
     event_stream,
     final_outputs,
     open_streams,
+    request_id_for,
     sse,
     stream_error,
 )
@@ -53,27 +53,28 @@ class OpenAIServingChat:
             SamplingParamsError: an unsupported message part. PromptError: the template failed, or
                 the prompt is empty or too long to ever fit.
         """
-        processor = self.engine.processor
-        text = processor.apply_chat_template(request.template_messages(), request.add_generation_prompt)
-        return text, processor.chat_prompt_ids(text)
+        return self.engine.render_chat(request.template_messages(), request.add_generation_prompt)
 
-    async def create(self, request: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
+    async def create(self, request: ChatCompletionRequest, arrival_time: float | None = None
+                     ) -> JSONResponse | StreamingResponse:
         """Answers one chat request (JSON, or an SSE stream when ``stream`` is set).
+        ``arrival_time``: ``time.monotonic()`` when the handler got it (default: now).
 
         Raises:
-            APIError (404), PromptError / SamplingParamsError (400), EngineRequestError (400/429),
-            EngineDeadError (503).
+            APIError (404), PromptError / SamplingParamsError / ContextLengthExceededError /
+            DuplicateRequestError (400), EngineRequestError (400/429), EngineDeadError (503).
         """
+        arrival = time.monotonic() if arrival_time is None else arrival_time
         model = self.model_names.resolve(request.model)
-        if self.engine.dead is not None:
-            raise self.engine.dead
-        params = request.sampling_params(self.engine.frontend.default_sampling_params)
+        self.engine.check_available()
+        params = request.sampling_params(self.engine.default_sampling_params)
         check_queue_room(self.engine, 1, params.n)
-        text, ids = await self.engine.run_in_tokenizer(self.render, request)
-        check_context(self.engine.max_model_len, len(ids), params.max_tokens, "messages")
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id = request_id_for("chatcmpl", request.request_id)
         kind = "delta" if request.stream else "cumulative"
-        streams = await open_streams(self.engine, request_id, [(text, ids)], params, kind)
+        with self.engine.admitted(params.n):
+            text, ids = await self.engine.run_in_tokenizer(self.render, request)
+            check_context(self.engine.max_model_len, len(ids), params.max_tokens, "messages")
+            streams = await open_streams(self.engine, request_id, [(text, ids)], params, kind, arrival)
         created = int(time.time())
         if request.stream:
             return event_stream(self._stream(request, request_id, created, model, streams[0], params))

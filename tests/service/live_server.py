@@ -63,22 +63,32 @@ class Server:
         return self.log_path.read_text()
 
     def core_process(self) -> psutil.Process:
-        """The engine-core child (started with multiprocessing spawn)."""
+        """The engine-core process: a child of the server's multiprocessing fork server (or, where
+        there is none, a spawned child of the server)."""
         for child in psutil.Process(self.proc.pid).children():
-            if any("spawn_main" in part for part in child.cmdline()):
+            cmdline = " ".join(child.cmdline())
+            if "forkserver" in cmdline:
+                for core in child.children():
+                    return core
+            elif "spawn_main" in cmdline:
                 return child
-        raise LookupError("no engine-core child process")
+        raise LookupError("no engine-core process")
 
     def stop(self, timeout_s: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
+        return stop_process(self.proc, self._log, timeout_s)
+
+
+def stop_process(proc: subprocess.Popen, log, timeout_s: float) -> int:
+    """SIGTERM, then SIGKILL after ``timeout_s``; closes ``log``. Returns the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log.close()
+    return proc.returncode
 
 
 def metric_samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -89,7 +99,7 @@ def metric_samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
     samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "instance_id")))
             samples[(s.name, labels)] = s.value
     return samples
 
@@ -109,3 +119,31 @@ def wait_idle(url: str, timeout_s: float = 15.0) -> dict:
 def sse_data(response: httpx.Response) -> list[str]:
     """The ``data:`` payloads of a Server-Sent Events response, in order."""
     return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+class EngineService:
+    """A `python -m tandem.cli engine --listen tcp://127.0.0.1:PORT` subprocess (stories260K, float32)."""
+
+    def __init__(self, model: Path, log_path: Path, port: int | None = None, *flags: str) -> None:
+        self.port = port or free_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "tandem.cli", "--log-level", "INFO", "engine", "--model", str(model),
+               "--dtype", "float32", "--num-threads", "1", "--listen", self.address, *flags]
+        self._log = open(log_path, "a")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_listening(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while f"listening on {self.address}" not in self.log():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine exited with {self.proc.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engine not listening after {timeout_s} s:\n{self.log()}")
+            time.sleep(0.1)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self, timeout_s: float = 15.0) -> int:
+        return stop_process(self.proc, self._log, timeout_s)

@@ -38,8 +38,8 @@ def error(param, message, code=None, type_="invalid_request_error"):
 def test_prompt_longer_than_context_is_400(server):
     r = post(server, "/v1/completions", {"model": MODEL, "prompt": [5] * 600, "max_tokens": 4})
     assert r.status_code == 400
-    message = ("this model's maximum context length is 512 tokens, but the prompt has 600 tokens "
-               "(at least one token must remain for the completion)")
+    message = ("This model's maximum context length is 512 tokens. However, you requested 600 tokens in the "
+               "prompt, which leaves no room for the completion. Please reduce the length of the prompt.")
     assert r.json() == error("prompt", message, "context_length_exceeded")
 
 

@@ -15,8 +15,11 @@ from live_server import Server, metric_samples
 
 QUEUE_FULL = {"error": {"message": "the waiting queue is full (1 requests); retry later",
                         "type": "rate_limit_error", "param": None, "code": "queue_full"}}
-DEAD = {"error": {"message": "the engine core process died", "type": "service_unavailable", "param": None,
+DIED = {"error": {"message": "the engine core process died", "type": "service_unavailable", "param": None,
                   "code": "engine_unavailable"}}
+# --core-restart-limit 1: the core is not restarted, and the server says so from then on.
+DEAD = {"error": {"message": "the engine core process died; it is not restarted (restarts are off)",
+                  "type": "service_unavailable", "param": None, "code": "engine_unavailable"}}
 LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
 ABORTED = re.compile(r"finished request cmpl-\w+: prompt_tokens=5 output_tokens=\d+ ttft=\S+ total=\S+ "
                      r"finish_reason=abort\n")
@@ -26,7 +29,7 @@ ABORTED = re.compile(r"finished request cmpl-\w+: prompt_tokens=5 output_tokens=
 def server(stories_dir, tmp_path_factory):
     """One running sequence at a time and one waiting slot: the third concurrent request gets 429."""
     s = Server(stories_dir, tmp_path_factory.mktemp("small") / "server.log", "--max-num-seqs", "1",
-               "--max-queue-len", "1")
+               "--max-queue-len", "1", "--core-restart-limit", "1")
     try:
         s.wait_healthy()
         yield s
@@ -51,7 +54,7 @@ def test_queue_full_is_429(server):
     assert 200 in statuses and 429 in statuses and set(statuses) == {200, 429}
     for r in responses:
         if r.status_code == 429:
-            assert r.json() == QUEUE_FULL
+            assert r.json() == QUEUE_FULL and r.headers["Retry-After"] == "1"
         else:
             assert r.json()["usage"]["completion_tokens"] == 400
 
@@ -92,7 +95,7 @@ def test_core_death_turns_everything_503(server):
         r = waiting.result(timeout=10)
         events = running.result(timeout=10)
     assert time.monotonic() - t0 < 5
-    assert r.status_code == 503 and r.json() == DEAD
+    assert r.status_code == 503 and r.json() == DIED
     # The dead core's gauges are zeroed, and both in-flight requests get their finished line.
     m = metric_samples(server.url)
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
@@ -105,7 +108,7 @@ def test_core_death_turns_everything_503(server):
         time.sleep(0.05)
     assert len(ABORTED.findall(server.log())) - aborts_before == 2
     # The stream had sent its 200 header: it ends with an error event, then [DONE].
-    assert events[-1] == "[DONE]" and json.loads(events[-2]) == DEAD
+    assert events[-1] == "[DONE]" and json.loads(events[-2]) == DIED
     health = httpx.get(f"{server.url}/health", timeout=5)
     assert health.status_code == 503 and health.json() == DEAD
     r = completion(server, {"prompt": "Hi", "max_tokens": 2}, timeout=5)

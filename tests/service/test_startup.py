@@ -45,9 +45,10 @@ def test_busy_port_fails_before_loading(failures, api_server):
 
 
 def test_port_out_of_range_fails_instead_of_wrapping(failures):
+    # ServerConfig refuses it, as every bad flag: exit 2 with one line.
     code, err = failures[0]["port out of range"]
-    assert code == 1
-    assert err.splitlines() == ["tandem: error: cannot listen on 127.0.0.1:99999: port must be 0-65535, got 99999"]
+    assert code == 2
+    assert err.splitlines() == ["tandem: error: port must be 0-65535, got 99999"]
 
 
 def test_bad_chat_template_fails_at_startup(failures):

@@ -104,7 +104,7 @@ def test_limits_at_the_bounds_are_accepted(server):
 def test_explicit_max_tokens_beyond_the_context_is_400(server, tokenizer):
     r = post(server, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 510})
     message = ("This model's maximum context length is 512 tokens. However, you requested 513 tokens "
-               "(3 in the messages, 510 in the completion). Please reduce the length of the messages or completion.")
+               "(3 in the prompt, 510 in the completion). Please reduce the length of the prompt or completion.")
     assert r.status_code == 400 and r.json() == error("prompt", message, "context_length_exceeded")
     assert post(server, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 509}).status_code == 200
     messages = [{"role": "user", "content": "Tell me a story"}]
@@ -119,12 +119,29 @@ def test_explicit_max_tokens_beyond_the_context_is_400(server, tokenizer):
 def test_prompt_too_long_in_characters_is_400_before_tokenizing(server):
     # stories260K: longest vocabulary entry 7 characters, no normalizer that shrinks text: 512 * 7.
     r = post(server, "/v1/completions", {"model": MODEL, "prompt": "a" * 3585, "max_tokens": 1})
-    message = ("this model's maximum context length is 512 tokens, but the prompt has 3585 characters, more than "
-               "the 3584 that many tokens can hold with this tokenizer")
+    message = ("This model's maximum context length is 512 tokens. However, the prompt has 3585 characters, more "
+               "than the 3584 that 512 tokens can hold with this tokenizer. Please reduce the length of the prompt.")
     assert r.status_code == 400 and r.json() == error("prompt", message, "context_length_exceeded")
     r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a" * 4000}]})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    assert r.json()["error"]["code"] == "context_length_exceeded"
+    n_chars = 4000 + len("<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n")
+    message = (f"This model's maximum context length is 512 tokens. However, the messages have {n_chars} characters, "
+               "more than the 3584 that 512 tokens can hold with this tokenizer. Please reduce the length of the "
+               "messages.")
+    assert r.status_code == 400 and r.json() == error("messages", message, "context_length_exceeded")
+
+
+def test_prompt_that_fills_the_context_is_400_naming_the_field(server):
+    # The same fault, the same words for both endpoints; only the field differs.
+    for path, body, param in (("/v1/completions", {"prompt": [5] * 600}, "prompt"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a " * 600}]},
+                               "messages")):
+        r = post(server, path, {"model": MODEL, **body, "max_tokens": 4})
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert message.startswith("This model's maximum context length is 512 tokens. However, you requested ")
+        assert message.endswith(f" tokens in the {param}, which leaves no room for the completion. Please reduce "
+                                f"the length of the {param}.")
+        assert r.json()["error"]["param"] == param and r.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_tokenizing_a_huge_prompt_does_not_block_the_event_loop(server):
@@ -168,3 +185,38 @@ def test_retrieve_model_and_head_health(server):
     assert httpx.get(f"{server.url}/v1/models/{MODEL}", timeout=10).status_code == 401
     r = httpx.head(f"{server.url}/health", timeout=10)
     assert r.status_code == 200 and r.content == b""
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/v1/completions", {"prompt": "Hi", "guided_json": {"type": "object"}}, "guided_json",
+     "guided_json is not supported"),
+    ("/v1/completions", {"prompt": "Hi", "guided_regex": "a+"}, "guided_regex", "guided_regex is not supported"),
+    ("/v1/chat/completions", {"guided_choice": ["a", "b"]}, "guided_choice", "guided_choice is not supported"),
+    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice",
+     "tool_choice is only allowed when tools are given, and tools are not supported"),
+    ("/v1/chat/completions", {"parallel_tool_calls": False}, "parallel_tool_calls",
+     "parallel_tool_calls is not supported"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     "tools are not supported"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format",
+     "response_format of type 'json_schema' is not supported yet"),
+])
+def test_fields_tandem_does_not_honour_are_refused(server, path, body, param, message):
+    base = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    r = post(server, path, {"model": MODEL, **base, "max_tokens": 2, **body})
+    assert r.status_code == 400 and r.json() == error(param, message)
+
+
+def test_fields_that_change_nothing_are_accepted(server):
+    messages = [{"role": "user", "content": "Hi"}]
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 2,
+                                              "tool_choice": "none", "parallel_tool_calls": None,
+                                              "response_format": {"type": "text"}, "guided_json": None})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path, param", [("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")])
+def test_empty_body_names_the_required_field(server, path, param):
+    r = httpx.post(f"{server.url}{path}", headers=AUTH, timeout=10)
+    assert r.status_code == 400
+    assert r.json() == error(param, f"the request body must be a JSON object with the field {param!r}")

@@ -109,17 +109,21 @@ def test_logits_and_greedy_tokens_match_the_dequantized_path(tmp_path, bpe, arch
     kept32, deq32 = runner(kept, "float32").prompt_logits(PROMPT), runner(dequantized, "float32").prompt_logits(PROMPT)
     torch.testing.assert_close(kept32, deq32, rtol=1e-5, atol=1e-5 * deq32.abs().max().item())
     # bf16: activations are rounded to bf16 between layers on both paths, which dominates (measured 1.8-2.3%
-    # of the float32 logits' norm, bound 4%). For 14 tokens both paths round the weights to bf16 and share
-    # the micro-kernel (measured equal); the bound allows the one-token kernels' exact products too.
+    # of the float32 logits' norm, bound 4%). For 14 tokens on avx512_bf16 both paths round the weights to
+    # bf16 and share the micro-kernel (measured equal); the bound allows the one-token kernels' exact
+    # products too. The avx2 kernels quantize the activations to int8 per block of 32 at every token count
+    # (llama.cpp's scheme, see kernels.linear_q8_0): measured 2.9-5.7% from float32 (bound 8%) and 3.4-4.8%
+    # from the dequantized bf16 path, so that comparison is skipped there.
     kept16, deq16 = runner(kept).prompt_logits(PROMPT), runner(dequantized).prompt_logits(PROMPT)
-    assert (kept16 - deq32).norm() / deq32.norm() < 0.04
-    assert (deq16 - deq32).norm() / deq32.norm() < 0.04
-    op = {Q.Q8_0: "linear_q8_0", Q.Q4_0: "linear_int4", Q.Q4_1: "linear_q4_1"}[qtype]
+    op = "linear_" + {Q.Q8_0: "q8_0", Q.Q4_0: "int4", Q.Q4_1: "q4_1"}[qtype]
+    quantized_activations = registry.backend_for(op) == "avx2"
     # NOTE: the torch backend on a CPU without bf16 dot products multiplies the kept codes' fp32 weights in
-    # fp32 (tandem/models/quant.py), the dequantized checkpoint's bf16 weights in bf16: only the bounds
-    # against float32 apply, and greedy tokens may flip near-ties as with the q8_0 kernel below.
-    same_math = registry.use(op) or registry.torch_compute_dtype(torch.bfloat16) == torch.bfloat16
-    if same_math:
+    # fp32 (tandem/models/quant.py) but the dequantized checkpoint's bf16 weights in bf16: only the bounds
+    # against float32 apply, and greedy tokens may flip near-ties as with quantized activations.
+    fp32_torch = not registry.use(op) and registry.torch_compute_dtype(torch.bfloat16) == torch.float32
+    assert (kept16 - deq32).norm() / deq32.norm() < (0.08 if quantized_activations else 0.04)
+    assert (deq16 - deq32).norm() / deq32.norm() < 0.04
+    if not (quantized_activations or fp32_torch):
         assert (kept16 - deq16).norm() / deq32.norm() < 0.01
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -128,17 +132,17 @@ def test_logits_and_greedy_tokens_match_the_dequantized_path(tmp_path, bpe, arch
                     .outputs[0].token_ids)
 
     reference = greedy(dequantized)
-    if (qtype == Q.Q8_0 and registry.use("linear_q8_0")) or not same_math:
-        # Decode steps (one token) quantize the activations to int8 per block of 32 as llama.cpp does (see
-        # kernels.linear_q8_0), which can flip near-ties of these random tiny models: each token the kept
-        # model picks must be within 3% of the logit range of the best one under the float32 weights,
-        # fed the kept model's own tokens (measured: 0 for llama, 1.4% for qwen2, whose 7th token flips).
+    if quantized_activations or fp32_torch or (qtype == Q.Q8_0 and registry.use("linear_q8_0")):
+        # Decode steps quantize the activations to int8 per block of 32 as llama.cpp does (every step on
+        # avx2; one-token q8_0 steps on AVX512-VNNI), which can flip near-ties of these random tiny models:
+        # each token the kept model picks must be within 3% of the logit range of the best one under the
+        # float32 weights, fed the kept model's own tokens (measured: 0 for llama, 1.4% for qwen2 Q8_0).
         tokens = greedy(kept)
         ref = runner(dequantized, "float32").prompt_logits(PROMPT + tokens[:-1])[len(PROMPT) - 1 :]
         best, worst = ref.max(dim=1).values, ref.min(dim=1).values
         gap = best - ref.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
         assert len(tokens) == 12 and (gap <= 0.03 * (best - worst)).all(), (gap / (best - worst)).max()
-        if not same_math:
+        if quantized_activations or fp32_torch:
             return
         monkeypatch.setenv("TANDEM_Q8_0_EXACT", "1")  # exact products: the same tokens as the float path
     assert greedy(kept) == reference and len(reference) == 12

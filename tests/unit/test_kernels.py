@@ -1,8 +1,6 @@
 """Tandem's C++ CPU kernels against their PyTorch references (random inputs, odd sizes included).
 
 Error bounds (why each tolerance is what it is):
-  linear_bf16      vs an fp32 GEMM of the same bf16 inputs: the output's bf16 rounding (half an ulp,
-                   <= 2^-8 relative) plus fp32 summation-order error (<= 1e-5 of sum |x||w|).
   paged_attention  fp32: 1e-5 (exp polynomial < 2e-7 relative, summation order); bf16: vs the fp32
                    attention of the same bf16 values, one bf16 rounding of the output (2^-8 relative).
                    The caches must equal the reference's bit for bit.
@@ -10,53 +8,26 @@ Error bounds (why each tolerance is what it is):
                    exactly except where an fp32 last-bit difference flips a bf16 rounding (<= 1 bf16
                    ulp, on under 2% of elements); fp32 within 1e-6 relative.
 Skips the whole module when the kernels cannot be built or run here (see tandem.kernels.build).
+The linear kernels are tested in test_kernels_linear.py.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tandem import kernels
 from tandem.attention import AttentionMetadata, CpuPagedAttention, TorchRefAttention, select_backend
 from tandem.models.layers import RMSNorm, SiluAndMul, apply_rotary
 
 pytestmark = pytest.mark.skipif(
-    not kernels.available("linear_bf16"),
-    reason=f"Tandem CPU kernels unavailable: {kernels.unavailable_reason('linear_bf16')}",
+    not kernels.available("paged_attention"),
+    reason=f"Tandem CPU kernels unavailable: {kernels.unavailable_reason('paged_attention')}",
 )
 
 
 def gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 1), (1, 7, 33), (3, 129, 257), (4, 64, 896), (5, 13, 31),
-                                           (16, 37, 100), (2, 1001, 2048), (17, 9, 64)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_linear_bf16_matches_fp32_gemm(m: int, n: int, k: int, bias: bool) -> None:
-    g = gen(m * 1000 + n)
-    x = torch.randn(m, k, generator=g).bfloat16()
-    w = torch.randn(n, k, generator=g).bfloat16()
-    b = torch.randn(n, generator=g).bfloat16() if bias else None
-    y = kernels.linear_bf16(x, w, b)
-    ref = F.linear(x.float(), w.float(), None if b is None else b.float())
-    assert y.shape == (m, n) and y.dtype == torch.bfloat16
-    bound = 2**-8 * ref.abs() + 1e-5 * (x.float().abs() @ w.float().abs().T) + 1e-6
-    assert ((y.float() - ref).abs() <= bound).all()
-
-
-def test_linear_bf16_accepts_a_strided_input_and_rejects_bad_shapes() -> None:
-    g = gen(1)
-    x = torch.randn(3, 64, generator=g).bfloat16()[:, :48]  # non-contiguous rows
-    w = torch.randn(5, 48, generator=g).bfloat16()
-    ref = F.linear(x.float(), w.float())
-    assert ((kernels.linear_bf16(x, w).float() - ref).abs() <= 2**-8 * ref.abs() + 1e-4).all()
-    with pytest.raises(RuntimeError, match="disagree on K"):
-        kernels.linear_bf16(x, torch.zeros(5, 47, dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError, match="bf16 only"):
-        kernels.linear_bf16(x.float(), w.float())
 
 
 def make_step(heads: int, kv: int, d: int, block: int, dtype: torch.dtype, seed: int):
@@ -183,32 +154,6 @@ def test_silu_and_mul_matches_layer(d: int, dtype: torch.dtype) -> None:
         assert_matches_rounding(actual, expected)
 
 
-@pytest.mark.parametrize("m", range(1, 26))
-def test_linear_bf16_every_token_count(m: int) -> None:
-    # Every token tile and remainder (8x3 tiles from 8 tokens, 4x6 below), rows left over by the
-    # 3- and 6-row tiles (n = 6 * 11 + 5), a masked K tail; same bound as above.
-    g = gen(m)
-    x = torch.randn(m, 100, generator=g).bfloat16()
-    w = torch.randn(71, 100, generator=g).bfloat16()
-    ref = F.linear(x.float(), w.float())
-    y = kernels.linear_bf16(x, w)
-    bound = 2**-8 * ref.abs() + 1e-5 * (x.float().abs() @ w.float().abs().T) + 1e-6
-    assert ((y.float() - ref).abs() <= bound).all()
-
-
-@pytest.mark.parametrize("m", [4, 16])
-def test_linear_bf16_propagates_inf_and_nan_like_f_linear(m: int) -> None:
-    x = torch.randn(m, 64, generator=gen(3)).bfloat16()
-    w = torch.randn(40, 64, generator=gen(4)).bfloat16()
-    x[1, 5] = float("inf")  # row 1: +-inf, or NaN where an inf meets a zero weight
-    w[7, 5] = 0.0
-    x[2, 9] = float("nan")
-    ref = F.linear(x.float(), w.float())
-    y = kernels.linear_bf16(x, w).float()
-    assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
-    assert torch.equal(y[ref.isinf()], ref[ref.isinf()])
-    finite = ref.isfinite()
-    assert ((y[finite] - ref[finite]).abs() <= 2**-8 * ref[finite].abs() + 1e-3).all()
 @pytest.fixture
 def torch_layers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make the layers in tandem.models.layers take their PyTorch path (the kernels' oracle)."""

@@ -3,10 +3,12 @@
 Bounds:
   int8 round trip  |w - q s| <= s / 2 per row (round to nearest; nothing clips at 127 = max / s).
   int4 round trip  |w - q d| <= |d| per group (half a step, or one step where +8|d| clips to 7).
-  kernels          vs fp32 ``x @ dequant(w).T``: the output's bf16 rounding (2^-8 relative) plus
-                   fp32 summation error; int4 also rounds each dequantized weight to bf16
-                   (2^-9 relative), hence an extra 2^-9 * (|x| @ |w|.T). q8_0 at one token rounds x to
-                   int8 per block of 32 as llama.cpp does: at most sum_b max|x_b| / 254 * sum_j |w_bj| more.
+  layers           QuantizedLinear (kernel or dequantize + F.linear) vs fp32 ``x @ dequant(w).T``: the
+                   output's bf16 rounding (2^-8 relative) plus fp32 summation error; a path that rounds
+                   the dequantized weights to bf16 adds 2^-9 * (|x| @ |w|.T); where the kernel rounds x to
+                   int8 per block of 32 as llama.cpp does (avx2 always; avx512_bf16 for q8_0 at one
+                   token) at most sum_b max|x_b| / 254 * sum_j |w_bj| more. The kernels themselves are
+                   tested per variant in test_kernels_linear.py.
   model            stories260K (real weights): bf16 + int8/int4 logits vs float32 weights along a greedy
                    continuation; thresholds are the measured values with margin (see the test).
 """
@@ -62,34 +64,22 @@ def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> to
     return F.linear(x.float(), w, None if bias is None else bias.float())
 
 
-@needs_kernels
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 5, 32), (3, 67, 96), (4, 8, 1024), (7, 33, 1056), (16, 129, 2080)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_int4_kernel_matches_dequantized_weights(m: int, n: int, k: int, bias: bool) -> None:
-    g = torch.Generator().manual_seed(m * n + k)
-    packed, d = quantize_int4(torch.randn(n, k, generator=g))
-    x = torch.randn(m, k, generator=g).bfloat16()
-    b = torch.randn(n, generator=g).bfloat16() if bias else None
-    w = dequantize_int4(packed, d)
-    ref = reference(x, w, b)
-    y = kernels.linear_int4(x, packed, d, b)
-    mag = x.float().abs() @ w.abs().T
-    assert ((y.float() - ref).abs() <= 2**-8 * ref.abs() + 2**-9 * mag + 1e-5 * mag + 1e-6).all()
+def activation_error_bound(x: torch.Tensor, w: torch.Tensor, method: str, tokens: int | None = None
+                           ) -> torch.Tensor | float:
+    """``[M, N]``: ``sum_b max|x_b| / 254 * sum_j |w_bj|`` (blocks of 32 along K, the last one zero-padded),
+    the most rounding x to int8 per block changes ``x @ w.T``, where the selected kernel of ``method`` does
+    that in a call with ``tokens`` rows (default ``M``); else 0."""
+    from tandem.kernels.build import cpu_flags
 
-
-@needs_kernels
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 1), (2, 7, 33), (4, 64, 1000), (5, 13, 1031), (16, 37, 2100)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_int8_kernel_matches_dequantized_weights(m: int, n: int, k: int, bias: bool) -> None:
-    g = torch.Generator().manual_seed(m * n + k)
-    q, s = quantize_int8(torch.randn(n, k, generator=g))
-    x = torch.randn(m, k, generator=g).bfloat16()
-    b = torch.randn(n, generator=g).bfloat16() if bias else None
-    w = dequantize_int8(q, s)
-    ref = reference(x, w, b)
-    y = kernels.linear_int8(x, q, s, b)
-    mag = x.float().abs() @ w.abs().T
-    assert ((y.float() - ref).abs() <= 2**-8 * ref.abs() + 1e-5 * mag + 1e-6).all()
+    k = x.shape[1]
+    m = x.shape[0] if tokens is None else tokens
+    quantizes = kernels.available(f"linear_{method}") and m <= kernels.linear_max_tokens() and (
+        kernels.backend() == "avx2" or (method == "q8_0" and m == 1 and "avx512_vnni" in cpu_flags()))
+    if not quantizes:
+        return 0.0
+    pad = -k % 32
+    amax = F.pad(x.float().abs(), (0, pad)).view(x.shape[0], -1, 32).amax(dim=2)
+    return (amax / 254) @ F.pad(w.abs(), (0, pad)).view(w.shape[0], -1, 32).sum(dim=2).T
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
@@ -105,11 +95,13 @@ def test_quantized_linear_paths_agree_and_replace_every_linear(method: str) -> N
     assert model[0].method == method and model[1].method == "int8"  # 48 is not a multiple of 32
     assert model[0].output_sizes == [32, 16] and model[0].shard_names == ("a", "b")
     x = torch.randn(20, 64, generator=g).bfloat16()
-    small, large = model[0](x[:3]), model[0](x)[:3]  # 3 tokens: kernel; 20: dequantize + F.linear
+    small, large = model[0](x[:3]), model[0](x)[:3]  # 3 tokens: kernel; 20: avx2 kernel, else dequantize + F.linear
     w = model[0].dequantized(torch.float32)
     ref = reference(x[:3], w, model[0].bias)
     bound = 2**-8 * ref.abs() + 2**-8 * (x[:3].float().abs() @ w.abs().T)  # + bf16 weights on one path
-    assert ((small.float() - ref).abs() <= bound).all() and ((large.float() - ref).abs() <= bound).all()
+    for y, tokens in ((small, 3), (large, 20)):
+        act = activation_error_bound(x[:3], w, method, tokens)
+        assert ((y.float() - ref).abs() <= bound + act).all()
 
 
 def test_config_rejects_unknown_quantization() -> None:
@@ -150,16 +142,6 @@ def test_quantized_stories_logits_stay_close(stories_logits, method: str, max_re
     assert in_top5 >= 0.97, f"{method}: greedy token in the reference top 5 at {in_top5:.2f} of positions"
 
 
-@needs_kernels
-@pytest.mark.parametrize("method", ["int8", "int4"])
-def test_dequantize_kernel_matches_python(method: str) -> None:
-    """bf16(q * scale) of the kernel equals the Python dequantization rounded to bf16 (exactly)."""
-    w = torch.randn(13, 96, generator=torch.Generator().manual_seed(4))
-    q, s = quantize_int4(w) if method == "int4" else quantize_int8(w)
-    expected = (dequantize_int4 if method == "int4" else dequantize_int8)(q, s).bfloat16()
-    assert torch.equal(kernels.dequantize(q, s), expected)
-
-
 # ---- GGUF formats kept as they are: q8_0 (group-32 int8) and q4_1 (group-32 asymmetric int4) ----
 
 def random_codes(method: str, n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -192,11 +174,12 @@ def test_q8_0_and_q4_1_dequantize_to_the_ggml_formulas() -> None:
                                            (40, 70, 160)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_group_kernels_match_dequantized_weights(method: str, m: int, n: int, k: int, bias: bool) -> None:
-    """Kernels (M <= 16) and the dequantize + oneDNN path (M = 40) vs fp32 ``x @ dequant(w).T``.
+    """Kernels (M <= ``linear_max_tokens()``: every M on avx2) and the dequantize + oneDNN path (M = 40 on
+    avx512_bf16) vs fp32 ``x @ dequant(w).T``.
 
     Bound: the output's bf16 rounding (2^-8 relative) plus each weight's bf16 rounding where the path
-    dequantizes to bf16 (2^-9 of ``|x| @ |w|.T``; the one-token kernels use exact products) plus fp32
-    summation (1e-5 of ``|x| @ |w|.T``).
+    dequantizes to bf16 (2^-9 of ``|x| @ |w|.T``) plus fp32 summation (1e-5 of ``|x| @ |w|.T``) plus
+    ``activation_error_bound`` where the kernel quantizes x.
     """
     g = torch.Generator().manual_seed(m * n + k)
     codes = random_codes(method, n, k, g)
@@ -210,85 +193,13 @@ def test_group_kernels_match_dequantized_weights(method: str, m: int, n: int, k:
     ref = reference(x, w, layer.bias)
     y = layer(x)
     mag = x.float().abs() @ w.abs().T
-    # q8_0 at one token rounds x to int8 per block of 32 (see the q8_0 tests below)
-    act = activation_error_bound(x, w) if method == "q8_0" and m == 1 else 0.0
+    act = activation_error_bound(x, w, method)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     assert ((y.float() - ref).abs() <= 2**-8 * ref.abs() + 2**-9 * mag + act + 1e-5 * mag + 1e-6).all()
     if method != "int4" and registry.use(f"linear_{method}", tokens=m):  # one-buffer rows = contiguous arrays
         assert layer.qweight.stride(0) > layer.qweight.shape[1]
         op = kernels.linear_q8_0 if method == "q8_0" else kernels.linear_q4_1
         assert torch.equal(op(x, *codes, layer.bias), y)
-
-
-def activation_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``[M, N]``: ``sum_b max|x_b| / 254 * sum_j |w_bj|``, the most rounding x to int8 per block changes x @ w.T."""
-    amax = x.float().abs().view(x.shape[0], -1, 32).amax(dim=2)
-    return (amax / 254) @ w.abs().view(w.shape[0], -1, 32).sum(dim=2).T
-
-
-def q8_0_quantized_activations_reference(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """float64 ``[1, N]``: llama.cpp's ``quantize_row_q8_0`` of x then exact integer block dots, as the kernel.
-
-    Per block b: ``dx = max|x_b| / 127`` and ``xq = round(x_b * (1 / dx))`` in fp32 (half to even, as
-    ``vcvtps2dq``), ``y = sum_b d_b dx_b sum_j q_bj xq_bj``.
-    """
-    xb = x.float().view(-1, 32)
-    dx = xb.abs().amax(dim=1) / 127
-    inv = torch.where(dx != 0, 1 / dx, torch.zeros_like(dx))
-    xq = torch.round(xb * inv[:, None]).long()
-    dots = (q.view(q.shape[0], -1, 32).long() * xq).sum(dim=2)  # [N, blocks], exact
-    return ((d.double() * dx.double()) * dots.double()).sum(dim=1)[None]
-
-
-def has_vnni() -> bool:
-    from tandem.kernels.build import cpu_flags
-
-    return "avx512_vnni" in cpu_flags()
-
-
-@needs_kernels
-@pytest.mark.parametrize(("n", "k"), [(5, 32), (67, 96), (64, 576), (130, 896), (33, 1056), (40, 2080), (70, 4864)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_q8_0_one_token_quantizes_activations_like_llama_cpp(n: int, k: int, bias: bool, monkeypatch) -> None:
-    """One token on AVX512-VNNI: equals the quantized-activation arithmetic up to the output's bf16 rounding
-    (2^-8 relative) and fp32 rounding (1e-5 of the summed block terms), and stays within
-    ``activation_error_bound`` of the float product; ``TANDEM_Q8_0_EXACT=1`` keeps exact products.
-
-    x has a zero block (dx = 0, when K > 32) and outliers (a few blocks dominated by one large value).
-    """
-    g = torch.Generator().manual_seed(n + k)
-    q, d = random_codes("q8_0", n, k, g)
-    x = torch.randn(1, k, generator=g)
-    x[0, 32:64] = 0.0
-    x[0, 7::97] *= 40.0
-    x = x.bfloat16()
-    b = torch.randn(n, generator=g).bfloat16() if bias else None
-    w = dequantize_weight("q8_0", q, d)
-    exact = reference(x, w, b)
-    mag = x.float().abs() @ w.abs().T
-    monkeypatch.setenv("TANDEM_Q8_0_EXACT", "1")
-    y_exact = kernels.linear_q8_0(x, q, d, b).float()
-    assert ((y_exact - exact).abs() <= 2**-8 * exact.abs() + 1e-5 * mag + 1e-6).all()
-    monkeypatch.delenv("TANDEM_Q8_0_EXACT")
-    y = kernels.linear_q8_0(x, q, d, b).float()
-    bound = activation_error_bound(x, w)
-    assert ((y - exact).abs() <= 2**-8 * exact.abs() + bound + 1e-5 * mag + 1e-6).all()
-    if not has_vnni():
-        pytest.skip("no AVX512-VNNI: the one-token kernel keeps exact products")
-    emulated = q8_0_quantized_activations_reference(x, q, d).float() + (0 if b is None else b.float())
-    terms = (x.float().abs().view(-1, 32).amax(dim=1) / 127 * d.float() * 127 * q.view(n, -1, 32).abs().sum(2)).sum(1)
-    assert ((y - emulated).abs() <= 2**-8 * emulated.abs() + 1e-5 * terms + 1e-6).all()
-    if n >= 64:  # the quantized path is really taken: it differs from the exact one somewhere
-        assert not torch.equal(y, y_exact)
-
-
-@needs_kernels
-@pytest.mark.parametrize("method", ["q8_0", "q4_1"])
-def test_group_dequantize_kernels_match_python(method: str) -> None:
-    """bf16 weights of the C++ dequantization equal the Python reference rounded to bf16 (exactly)."""
-    codes = random_codes(method, 13, 96, torch.Generator().manual_seed(6))
-    op = kernels.dequantize_q8_0 if method == "q8_0" else kernels.dequantize_q4_1
-    assert torch.equal(op(*codes), dequantize_weight(method, *codes).bfloat16())
 
 
 def test_empty_layer_shapes_and_bad_formats() -> None:

@@ -137,7 +137,10 @@ def test_default_model_is_smollm2_and_answers_paris(tmp_path, monkeypatch):
     from tandem import LLM, SamplingParams
 
     llm = LLM(str(folder), progress=False)
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    # NOTE: the bare question is a near tie for this 135M Q4_1 model (first-token logprobs -1.80 vs -1.93,
+    # "L'Étoile..." vs "The capital..."): quantized activations (llama.cpp's and the avx2 kernels')
+    # tip it to the French list, llama.cpp included; this prompt has a margin of 1.7 nats.
+    messages = [{"role": "user", "content": "Answer in one sentence: what is the capital of France?"}]
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=20))[0]
     assert "Paris" in out.outputs[0].text
 

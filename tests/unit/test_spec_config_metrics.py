@@ -65,9 +65,9 @@ def test_prometheus_series_follow_the_core_counters():
     metrics.record_step(CoreStats(spec_num_drafts=5, spec_num_draft_tokens=15, spec_num_accepted_tokens=9,
                                   spec_num_accepted_tokens_per_pos=[5, 3, 1]), 0)
     text = metrics.render().decode()
-    assert 'tandem:spec_decode_num_drafts_total{model_name="m"} 5.0' in text
-    assert 'tandem:spec_decode_num_draft_tokens_total{model_name="m"} 15.0' in text
-    assert 'tandem:spec_decode_num_accepted_tokens_total{model_name="m"} 9.0' in text
+    assert 'tandem:spec_decode_num_drafts_total{instance_id="",model_name="m"} 5.0' in text
+    assert 'tandem:spec_decode_num_draft_tokens_total{instance_id="",model_name="m"} 15.0' in text
+    assert 'tandem:spec_decode_num_accepted_tokens_total{instance_id="",model_name="m"} 9.0' in text
     for pos, value in enumerate([5, 3, 1]):
-        assert (f'tandem:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{pos}"}} '
-                f'{value}.0') in text
+        assert ('tandem:spec_decode_num_accepted_tokens_per_pos_total'
+                f'{{instance_id="",model_name="m",position="{pos}"}} {value}.0') in text

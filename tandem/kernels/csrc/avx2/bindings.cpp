@@ -9,4 +9,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bind_omp_threads", &bind_omp_threads, "pin OpenMP thread i to cpus[i]; returns the thread ids",
         py::arg("cpus"));
   m.def("omp_thread_ids", &omp_thread_ids, "thread ids of an n-thread OpenMP team", py::arg("n"));
+  // Linear kernels (linear_bf16.cpp, linear_quant.cpp): any M, batch invariant; quantized formats
+  // quantize the activations to int8 per block of 32 (llama.cpp's AVX2 path).
+  m.def("linear_bf16", &linear_bf16, "y = x @ w.T (+ bias), bf16, fp32 FMA", py::arg("x"), py::arg("w"),
+        py::arg("bias") = py::none());
+  m.def("linear_int8", &linear_int8, "y = x @ (q * scale).T (+ bias), int8 per-channel weights", py::arg("x"),
+        py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none());
+  m.def("linear_int4", &linear_int4, "y = x @ (q * scale).T (+ bias), Q4_0 group-32 weights", py::arg("x"),
+        py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none());
+  m.def("linear_q8_0", &linear_q8_0, "y = x @ (q * scale).T (+ bias), GGUF Q8_0 weights", py::arg("x"),
+        py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none());
+  m.def("linear_q4_1", &linear_q4_1, "y = x @ (u * d + m).T (+ bias), GGUF Q4_1 weights", py::arg("x"),
+        py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none());
+  m.def("dequantize", &dequantize, "bf16 weight of an int8 or int4 layer", py::arg("qweight"), py::arg("scale"));
+  m.def("dequantize_q8_0", &dequantize_q8_0, "bf16 weight of a q8_0 layer", py::arg("qweight"), py::arg("scale"));
+  m.def("dequantize_q4_1", &dequantize_q4_1, "bf16 weight of a q4_1 layer", py::arg("qweight"), py::arg("scale"));
 }

@@ -1,0 +1,102 @@
+"""Engine-core supervision on a live server: killing the core mid-stream ends every open stream with
+an error event and [DONE], the core is restarted and serves again within seconds (counted in
+/metrics, logged), and a crash loop stops the restarts for good (503 from then on)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+
+import httpx
+import pytest
+from live_server import Server, metric_samples, sse_data
+
+DIED = {"error": {"message": "the engine core process died", "type": "service_unavailable", "param": None,
+                  "code": "engine_unavailable"}}
+RESTARTING = {"error": {"message": "the engine core is restarting; retry shortly", "type": "service_unavailable",
+                        "param": None, "code": "engine_unavailable"}}
+LONG = {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True, "temperature": 0, "stream": True}
+
+
+def open_stream(server: Server) -> list[str]:
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=LONG, timeout=60) as r:
+        assert r.status_code == 200
+        return sse_data(r)
+
+
+def wait_running(server: Server, count: int, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while metric_samples(server.url)[("tandem:num_requests_running", ())] < count:
+        assert time.monotonic() < deadline, f"{count} requests never ran together"
+        time.sleep(0.02)
+
+
+def first_success_after(server: Server, t0: float, timeout_s: float = 60.0) -> tuple[float, list[int]]:
+    """Seconds from ``t0`` until a completion succeeds, and the statuses seen before it."""
+    statuses = []
+    while time.monotonic() - t0 < timeout_s:
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=10)
+        if r.status_code == 200:
+            return time.monotonic() - t0, statuses
+        statuses.append(r.status_code)
+        if r.status_code == 503 and r.json() == RESTARTING:
+            assert r.headers["Retry-After"] == "2"
+        time.sleep(0.05)
+    raise AssertionError(f"no success within {timeout_s} s; statuses {statuses[-5:]}")
+
+
+@pytest.fixture(scope="module")
+def server(stories_dir, tmp_path_factory):
+    s = Server(stories_dir, tmp_path_factory.mktemp("supervised") / "server.log", "--max-num-seqs", "4",
+               "--core-restart-limit", "2", "--core-restart-window", "600")
+    try:
+        s.wait_healthy()
+        yield s
+    finally:
+        s.stop()
+
+
+def test_killed_core_ends_open_streams_then_restarts(server):
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        streams = [pool.submit(open_stream, server) for _ in range(3)]
+        wait_running(server, 3)
+        old_pid = server.core_process().pid
+        server.core_process().kill()
+        t0 = time.monotonic()
+        results = [f.result(timeout=20) for f in streams]
+    for events in results:
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2]) == DIED
+        assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-2])
+    elapsed, statuses = first_success_after(server, t0)
+    assert set(statuses) <= {503}
+    assert elapsed < 30, f"the core took {elapsed:.1f} s to serve again"
+    assert server.core_process().pid != old_pid
+    m = metric_samples(server.url)
+    assert m[("tandem:engine_core_restarts_total", ())] == 1
+    assert m[("tandem:request_success_total", (("finished_reason", "abort"),))] >= 3
+    assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+    assert "engine core restarted in" in server.log()
+
+
+def test_crash_loop_stops_restarting_for_good(server):
+    # --core-restart-limit 2: the first test's death was the first; this one is the second.
+    server.core_process().kill()
+    message = ("the engine core process died; it died 2 times within 600 s (crash loop), so it is not restarted")
+    gone = {"error": {**DIED["error"], "message": message}}
+    deadline = time.monotonic() + 10
+    while True:
+        r = httpx.get(f"{server.url}/health", timeout=5)
+        if r.status_code == 503 and r.json() == gone or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert r.status_code == 503 and r.json() == gone
+    assert "Retry-After" not in r.headers
+    time.sleep(1.0)
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=5)
+    assert r.status_code == 503 and r.json() == gone
+    assert f"{message}: the server answers 503 until it is restarted" in server.log()
+    assert metric_samples(server.url)[("tandem:engine_core_restarts_total", ())] == 1
+    with pytest.raises(LookupError):
+        server.core_process()
