@@ -7,7 +7,9 @@ Usage:
 For each of "quiet" and "busy" (``--busy`` Python spin loops started by this script, default one per
 allowed core: the co-tenant of issue 11's goal), runs greedy batch-1 decode in a fresh process for each
 configuration: Tandem's defaults (no ``num_threads``: what a user gets), 2 threads with libgomp's
-default wait policy, 2 threads with ``OMP_WAIT_POLICY=passive``, 1 thread. Each worker prints
+default wait policy (spin 300000 iterations before sleeping), with short spins (``GOMP_SPINCOUNT``),
+with ``OMP_WAIT_POLICY=passive``, 1 thread; all but the first with ``TANDEM_OMP_WAIT=keep``, so that
+Tandem's own OpenMP default (``tandem/worker/cpu_env.py``) does not change what the row names. Each worker prints
 wall-clock tokens/s over ``--tokens`` new tokens after a warm-up generation; a cell is the median of
 ``--repeats`` fresh processes. The last column is busy / quiet (goal: >= 0.45x; a fair share of the
 cores is 0.5x with one co-tenant per core). A fresh process per cell because libgomp reads
@@ -35,10 +37,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 # (name, threads or None for Tandem's default, environment)
+KEEP = {"TANDEM_OMP_WAIT": "keep"}
 CONFIGS = (("Tandem defaults (no num_threads)", None, {}),
-           ("2 threads, default wait policy", 2, {}),
-           ("2 threads, OMP_WAIT_POLICY=passive", 2, {"OMP_WAIT_POLICY": "passive"}),
-           ("1 thread", 1, {}))
+           ("2 threads, default wait policy", 2, KEEP),
+           ("2 threads, OMP_WAIT_POLICY=passive", 2, {**KEEP, "OMP_WAIT_POLICY": "passive"}),
+           ("1 thread", 1, KEEP),
+           ("2 threads, GOMP_SPINCOUNT=10000", 2, {**KEEP, "GOMP_SPINCOUNT": "10000"}),
+           ("2 threads, GOMP_SPINCOUNT=1000", 2, {**KEEP, "GOMP_SPINCOUNT": "1000"}))
 GOAL = 0.45
 
 

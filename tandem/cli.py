@@ -8,6 +8,7 @@ import sys
 
 from tandem.config import (
     DEFAULT_MAX_QUEUE_LEN,
+    KERNEL_BACKENDS,
     QUANTIZATION_METHODS,
     SELF_QUANT_TYPES,
     SPECULATIVE_METHODS,
@@ -32,6 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_bind_default: str = "none") 
     p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
                    help="weight-only int8 / int4 linear layers (default: none)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
+    p.add_argument("--kernel-backend", default=None, choices=KERNEL_BACKENDS,
+                   help="CPU kernels: 'auto' (the fastest the CPU runs), 'avx512_bf16', 'avx2' or 'torch' "
+                        "(default: $TANDEM_KERNEL_BACKEND, else auto)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template or a file holding one")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
     p.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache budget in GiB")
@@ -41,7 +45,8 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_bind_default: str = "none") 
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads (default: the allowed cores, capped by the cgroup CPU quota)")
     p.add_argument("--cpu-bind", default=cpu_bind_default, metavar="auto|none|LIST",
                    help="pin OpenMP thread i of the engine to core i: 'auto' (all allowed cores, one left to the "
                         "server front end from 4 cores on), 'none', or a core list like '0-3,6' "
@@ -63,7 +68,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Builds the frozen EngineConfig from parsed flags (validation happens in the dataclasses)."""
     return EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                          chat_template=args.chat_template, quantization=getattr(args, "quantization", None)),
+                          chat_template=args.chat_template, quantization=getattr(args, "quantization", None),
+                          kernel_backend=getattr(args, "kernel_backend", None)),
         cache=CacheConfig(block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
                           num_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
@@ -97,7 +103,7 @@ def _llm_from_args(args: argparse.Namespace):
         max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
         long_prefill_token_threshold=c.scheduler.long_prefill_token_threshold,
         num_threads=c.num_threads, chat_template=c.model.chat_template, speculative_config=c.speculative,
-        quantization=c.model.quantization, cpu_bind=c.cpu_bind,
+        quantization=c.model.quantization, cpu_bind=c.cpu_bind, kernel_backend=c.model.kernel_backend,
     )
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 _DTYPES = ("bfloat16", "float32")
 QUANTIZATION_METHODS = ("int8", "int4")
+# Kernel paths (tandem/kernels/registry.py): "auto" picks the first compiled variant the CPU runs.
+KERNEL_BACKENDS = ("auto", "avx512_bf16", "avx2", "torch")
 # Waiting engine requests beyond which the server answers 429: a queue this deep already waits minutes on
 # a CPU, and a bound keeps memory and latency finite under overload.
 DEFAULT_MAX_QUEUE_LEN = 1024
@@ -29,6 +31,8 @@ class ModelConfig:
     ``model`` is a local folder (HF checkpoint), a ``.gguf`` file, or None for the default model
     (SmolLM2-135M-Instruct). ``max_model_len`` caps the context (tokens); None uses the model's own.
     ``quantization`` stores the linear layers' weights as int8 or int4 (``tandem/models/quant.py``).
+    ``kernel_backend``: one of ``KERNEL_BACKENDS`` for the engine's kernels (``tandem/kernels/registry.py``);
+    None keeps ``$TANDEM_KERNEL_BACKEND`` (``auto`` when unset).
     """
 
     model: str | None = None
@@ -37,8 +41,11 @@ class ModelConfig:
     chat_template: str | None = None
     seed: int = 0
     quantization: str | None = None
+    kernel_backend: str | None = None
 
     def __post_init__(self) -> None:
+        if self.kernel_backend is not None and self.kernel_backend not in KERNEL_BACKENDS:
+            raise ConfigError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:

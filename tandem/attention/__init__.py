@@ -16,9 +16,8 @@ BACKENDS = ("auto", "cpu_paged", "torch_ref")
 
 
 def select_backend(head_dim: int, dtype: torch.dtype, name: str = "auto") -> AttentionBackend:
-    """The attention backend for a model: "auto" picks ``CpuPagedAttention`` where its kernel runs
-    (the selected kernel variant, avx512_bf16 or avx2, has ``paged_attention``; bf16/fp32; head_dim
-    <= 256) and ``TorchRefAttention`` otherwise.
+    """The attention backend for a model: "auto" picks ``CpuPagedAttention`` where the kernel registry
+    has a ``paged_attention`` kernel (bf16/fp32, head_dim <= 256) and ``TorchRefAttention`` otherwise.
 
     Raises:
         ValueError: an unknown ``name``, or "cpu_paged" where it cannot run.

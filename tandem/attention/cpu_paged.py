@@ -1,13 +1,14 @@
 """Fast CPU paged attention: the C++ kernel reads the KV cache in place (online softmax, no gather).
 
+On the ``avx2`` kernels every row goes to the kernel: it tiles the queries of prompt chunks and
+gives a query the same bits whatever else is in the step (batch invariance).
+
 Per layer and step: one kernel call stores this step's K/V and attends every row with at most
-``max_query_len`` query tokens (online softmax over the row's blocks, memory independent of the
-context). On the ``avx2`` kernels that is every row (``ALL_ROWS``): their kernel tiles queries
-for prompt chunks and gives a query the same bits whatever else is in the step (batch
-invariance). On ``avx512_bf16`` rows longer than 16 tokens run ``F.scaled_dot_product_attention``:
-directly on their new q/k/v when nothing of them is cached (``is_causal``), else on their
-context gathered through the block table (as the reference does). Results match
-``TorchRefAttention`` (tests/unit).
+``max_query_len`` query tokens (the kernel registry's limit for ``paged_attention``: 16 on
+``avx512_bf16``, any length on ``avx2``) (online softmax over the row's blocks, no gather, memory independent
+of the context). A row with more query tokens runs ``F.scaled_dot_product_attention``: directly on
+its new q/k/v when nothing of it is cached (``is_causal``), else on its context gathered through
+the block table (as the reference does). Results match ``TorchRefAttention`` (tests/unit).
 """
 
 from __future__ import annotations
@@ -18,38 +19,35 @@ import torch.nn.functional as F
 from tandem import kernels
 from tandem.attention.metadata import AttentionMetadata
 from tandem.attention.torch_ref import gather_context
+from tandem.kernels import registry
 
 _LongRow = tuple[int, int, int, int, int]  # (row, start, end, num_computed, seq_len)
 
-# Largest query count of a row the kernel attends: every row (its max_query_len is an int64).
-ALL_ROWS = 2**62
-# NOTE: the avx512_bf16 kernel attends a whole row in one work item (buffers that grow with the row,
-# one thread per row and KV head), so prompt rows keep going to SDPA there; the avx2 kernel splits
-# rows into query tiles (csrc/avx2/paged_attention.cpp). AVX-512 cannot be measured on Zen 3.
-_KERNEL_MAX_QUERY_LEN = {"avx512_bf16": 16}
-
-
-def default_max_query_len() -> int:
-    """Longest row (query tokens) the selected kernel variant attends itself: 16 on ``avx512_bf16``,
-    ``ALL_ROWS`` on ``avx2`` (so prompt rows get the same numerics as decode rows)."""
-    return _KERNEL_MAX_QUERY_LEN.get(kernels.backend(), ALL_ROWS)
-
-
 class CpuPagedAttention:
-    """Paged attention backend over Tandem's C++ kernel; requires ``kernels.available("paged_attention")``.
+    """Paged attention backend over Tandem's C++ kernel; requires ``registry.use("paged_attention")``.
 
     Args:
-        max_query_len: rows with more query tokens than this go to SDPA (prompt chunks); default
-            ``default_max_query_len()``.
+        max_query_len: rows with more query tokens than this go to SDPA (prompt chunks); None takes the
+            kernel registry's limit for this machine's backend.
+
+    ``kernel_max_query_len`` (the backend protocol's attribute) equals ``max_query_len``: rows up to that
+    length run through ``kernels.paged_attention``, as the fused decoder layer needs.
 
     The per-step row plan (which rows are long) is computed on the first layer's call and reused by
     the other layers of that step (keyed by the identity of the step's ``AttentionMetadata``).
     """
 
     def __init__(self, max_query_len: int | None = None) -> None:
-        self.max_query_len = default_max_query_len() if max_query_len is None else max_query_len
+        if max_query_len is None:
+            max_query_len = registry.max_tokens("paged_attention")
+        self.max_query_len = max_query_len
         self._meta: AttentionMetadata | None = None
         self._long_rows: list[_LongRow] = []
+
+    @property
+    def kernel_max_query_len(self) -> int:
+        """Rows with at most this many query tokens are attended by ``kernels.paged_attention``."""
+        return self.max_query_len
 
     def _plan(self, meta: AttentionMetadata) -> list[_LongRow]:
         if meta is not self._meta:
@@ -98,5 +96,5 @@ class CpuPagedAttention:
 
 
 def supports(head_dim: int, dtype: torch.dtype) -> bool:
-    """Whether ``CpuPagedAttention`` can serve this model here (kernels built, bf16/fp32, D <= 256)."""
-    return dtype in (torch.bfloat16, torch.float32) and head_dim <= 256 and kernels.available("paged_attention")
+    """Whether ``CpuPagedAttention`` can serve this model here (kernel on this backend, bf16/fp32, D <= 256)."""
+    return dtype in (torch.bfloat16, torch.float32) and head_dim <= 256 and registry.use("paged_attention")

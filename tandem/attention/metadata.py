@@ -83,7 +83,14 @@ def token_positions(num_computed: torch.Tensor, num_scheduled: torch.Tensor) -> 
 
 
 class AttentionBackend(Protocol):
-    """Paged attention for one layer: store this step's K/V, attend over each row's context."""
+    """Paged attention for one layer: store this step's K/V, attend over each row's context.
+
+    ``kernel_max_query_len``: rows with at most this many query tokens are attended by
+    ``tandem.kernels.paged_attention`` (0: none are); the fused decoder layer (``decoder_layer_bf16``)
+    runs only on steps whose rows all are.
+    """
+
+    kernel_max_query_len: int
 
     def __call__(
         self,

@@ -37,6 +37,8 @@ class TorchRefAttention:
     serves ``H / KV`` query heads.
     """
 
+    kernel_max_query_len = 0  # no row goes through the C++ kernel
+
     def __call__(
         self,
         q: torch.Tensor,

@@ -88,6 +88,8 @@ class EngineCoreClient:
         self._pending_aborts: list[str] = []  # aborts that met a full input queue, sent in order later
         self._retry: asyncio.TimerHandle | None = None
         self._watch: tuple[asyncio.AbstractEventLoop, int] | None = None
+        self.kernel_backend = "torch"  # the core's kernel path (``tandem/kernels/registry.py``), from Ready
+        self.kernel_message = ""
 
     @classmethod
     def start(
@@ -134,7 +136,8 @@ class EngineCoreClient:
         return client
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
-        """Blocks until the core has loaded the model; sets ``max_model_len`` and ``num_blocks``.
+        """Blocks until the core has loaded the model; sets ``max_model_len``, ``num_blocks``, ``kernel_backend``
+        and ``kernel_message``.
 
         Raises:
             EngineCoreStartError: the process exited, reported a failure, or ``timeout_s`` passed.
@@ -154,6 +157,7 @@ class EngineCoreClient:
         self.max_model_len = message.max_model_len
         self.num_blocks = message.num_blocks
         self.block_size = message.block_size
+        self.kernel_backend, self.kernel_message = message.kernel_backend, message.kernel_message
         logger.info("engine core pid %d ready: max_model_len %d, %d KV blocks",
                     self.proc.pid, self.max_model_len, self.num_blocks)
 

@@ -65,7 +65,8 @@ InputMessage = AddRequests | AbortRequests | Shutdown
 
 # ---- core -> front end ----
 class Ready(msgspec.Struct, tag="ready"):
-    """The core loaded its model: context length and KV pool (``num_blocks`` of ``block_size`` tokens).
+    """The core loaded its model: context length and KV pool (``num_blocks`` of ``block_size`` tokens),
+    and its kernel path (``kernel_backend``, ``kernel_message``: the start-up line; ``tandem/kernels/registry.py``).
 
     A networked core (``core_service``) also names its model (the folder's name) and vocabulary size,
     so a front end can check that its tokenizer belongs to the same model.
@@ -76,6 +77,8 @@ class Ready(msgspec.Struct, tag="ready"):
     block_size: int = 0
     model: str = ""
     vocab_size: int = 0
+    kernel_backend: str = "torch"
+    kernel_message: str = ""
 
 
 class AddResult(msgspec.Struct, tag="add_result"):
@@ -315,8 +318,9 @@ def run_engine_core(
         t0 = time.monotonic()
         core = EngineCore(model_dir, config)
         logger.info("engine core (pid %d) ready in %.1f s", os.getpid(), time.monotonic() - t0)
-        outputs.send(encoder.encode(Ready(core.max_model_len, getattr(core, "num_blocks", 0),
-                                           config.cache.block_size)))
+        kernels = core.runner.kernel_status
+        outputs.send(encoder.encode(Ready(core.max_model_len, getattr(core, "num_blocks", 0), config.cache.block_size,
+                                          kernel_backend=kernels.backend, kernel_message=kernels.message)))
         ready = True
         # NOTE: the parent may be the front end's fork server (see core_client), not the front end.
         EngineCoreProc(core, inputs, outputs, os.getppid(), config.scheduler.max_queue_len).run()

@@ -213,8 +213,9 @@ def _serve_bound(sock: zmq.Socket, gate: PeerGate, model_dir: Path, config: Engi
 
     t0 = time.monotonic()
     core = EngineCore(model_dir, config)
+    kernels = core.runner.kernel_status
     ready = Ready(core.max_model_len, getattr(core, "num_blocks", 0), config.cache.block_size,
-                  model_dir.name, core.runner.hf_config.vocab_size)
+                  model_dir.name, core.runner.hf_config.vocab_size, kernels.backend, kernels.message)
     service = EngineCoreService(core, sock, gate, ready, config.scheduler.max_queue_len)
 
     def _stop(signum: int, frame: FrameType | None) -> None:

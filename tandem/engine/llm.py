@@ -32,6 +32,8 @@ class LLM:
             ``{"method": "draft", "speculative_model": path, "num_speculative_tokens": 4}``); None = off.
         cpu_bind: "none" (default: this process's threads stay where the OS puts them), "auto" or a
             core list like "0-3": pin torch's OpenMP threads, one per core (``tandem/worker/cpu_env.py``).
+        kernel_backend: "auto", "avx512_bf16", "avx2" or "torch" for this process's kernels; None (default)
+            keeps ``$TANDEM_KERNEL_BACKEND`` (``tandem/kernels/registry.py``).
         Other keyword arguments map one to one onto ``CacheConfig`` and ``SchedulerConfig``.
 
     Raises:
@@ -57,12 +59,14 @@ class LLM:
         quantization: str | None = None,
         progress: bool = True,
         cpu_bind: str = "none",
+        kernel_backend: str | None = None,
     ) -> None:
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig(**speculative_config)
         self.config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
-                              chat_template=chat_template, quantization=quantization),
+                              chat_template=chat_template, quantization=quantization,
+                              kernel_backend=kernel_backend),
             cache=CacheConfig(block_size=block_size, kv_cache_gib=kv_cache_gib, num_blocks=num_blocks,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,

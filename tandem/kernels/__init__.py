@@ -1,8 +1,9 @@
 """Tandem's own CPU kernels (C++, one build per instruction set, built just in time; see ``build.py``).
 
 Each wrapper takes the same tensors as its PyTorch reference and calls the selected variant
-(``backend()``: ``avx512_bf16`` or ``avx2``); it must only be called when ``available(op)`` is true
-for its operator name; callers keep the PyTorch path as the fallback.
+(``backend()``: ``avx512_bf16`` or ``avx2``). Callers ask the kernel registry (``registry.use(op,
+tokens=T)``, ``tandem/kernels/registry.py``) whether to call it for their operator and size, and keep
+the PyTorch path as the fallback.
 
 The avx2 linear kernels compute each (token, row) output with one 8-lane fp32 accumulator over K in
 order and a fixed final sum, whatever the number of tokens: a token's outputs are bit-identical
@@ -17,8 +18,6 @@ terms and the output's bf16 rounding.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from tandem.kernels.build import load_extension, selected_variant, unsupported_reason
@@ -28,17 +27,15 @@ __all__ = [
     "paged_attention", "rms_norm", "rotary", "silu_and_mul", "unavailable_reason",
 ]
 
-# Largest token count the avx512_bf16 linear kernels are used for; above it oneDNN's GEMM (F.linear) is faster.
-LINEAR_MAX_TOKENS = 16
-
 
 def linear_max_tokens() -> int:
-    """The largest token count (rows of ``x``) the selected variant's linear kernels should get:
-    ``LINEAR_MAX_TOKENS`` on avx512_bf16, any count on avx2 (its blocked fp32 GEMM beats bf16
-    ``F.linear`` on CPUs without bf16 dot products, and one path for every M keeps batch invariance),
-    0 for the torch backend."""
-    name = backend()
-    return LINEAR_MAX_TOKENS if name == "avx512_bf16" else sys.maxsize if name == "avx2" else 0
+    """The largest token count (rows of ``x``) the selected variant's ``linear_bf16`` kernel should get:
+    the kernel registry's limit (16 on avx512_bf16, where oneDNN's GEMM is faster above; any count,
+    ``registry.UNLIMITED``, on avx2: its blocked fp32 GEMM beats bf16 ``F.linear`` on CPUs without bf16
+    dot products, and one path for every M keeps batch invariance), 0 for the torch backend."""
+    from tandem.kernels import registry
+
+    return registry.max_tokens("linear_bf16")
 
 
 def available(op: str | None = None) -> bool:
@@ -270,7 +267,8 @@ def decoder_layer_bf16(
     is bit-identical to it: ``x [T, hidden]`` and ``residual`` (None on the first layer: ``x`` is then
     the embeddings) as there; norm weights ``[hidden]``; ``(weight [N, K], bias [N] or None)`` per
     linear (``qkv`` rows ordered q, k, v); ``cos, sin [T, 1, head_dim]``; caches ``[N, B, KV, D]``;
-    ``meta`` an ``AttentionMetadata``. Requires ``T <= max_query_len`` and ``T <= LINEAR_MAX_TOKENS``.
+    ``meta`` an ``AttentionMetadata``. Requires ``T <= max_query_len`` and the registry's limits
+    (``registry.use("decoder_layer_bf16", tokens=T)``).
 
     Changes: overwrites ``x`` and ``residual`` in place; writes this step's K/V into the caches.
 

@@ -13,15 +13,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem import kernels
+from tandem.kernels import registry
 from tandem.models.hf_config import RopeConfig
 
 # NOTE: the fused C++ kernels (tandem.kernels) replace several PyTorch ops per layer, which is most
 # of a decode step's Python overhead; each layer keeps its PyTorch code as the fallback and oracle.
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+# Tokens from which the torch backend multiplies bf16 by bf16 weights in fp32 (x.float() @ w.float()) on
+# CPUs without bf16 dot products; below it, converting the weight on each call costs more than the
+# slow bf16 GEMM saves (measured on Zen 3, docs/modules.md "Kernel paths").
+FP32_MATMUL_MIN_TOKENS = 32
 
 
 def _use_kernels(op: str, x: torch.Tensor, weight: torch.Tensor | None = None) -> bool:
-    return x.dtype in _KERNEL_DTYPES and (weight is None or weight.dtype == x.dtype) and kernels.available(op)
+    return x.dtype in _KERNEL_DTYPES and (weight is None or weight.dtype == x.dtype) and registry.use(op)
+
+
+def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` of the torch backend: bf16 ``x [T, K]`` with ``T >= FP32_MATMUL_MIN_TOKENS`` on a CPU
+    without bf16 dot products is multiplied in fp32 (PyTorch's bf16 GEMM is several times slower
+    there) and rounded to bf16 once; otherwise ``F.linear`` as is. Weights stay as they are in memory."""
+    if (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] >= FP32_MATMUL_MIN_TOKENS
+            and registry.torch_compute_dtype(torch.bfloat16) == torch.float32):
+        b = None if bias is None else bias.float()
+        return F.linear(x.float(), weight.float(), b).to(torch.bfloat16)
+    return F.linear(x, weight, bias)
 
 
 class RMSNorm(nn.Module):
@@ -84,11 +100,11 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: at decode sizes stock bf16 GEMMs read weights at half the memory bandwidth; the
-        # streaming AVX-512 BF16 kernel reads them at the roofline (benchmarks/README.md).
-        if (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= kernels.linear_max_tokens()
-                and self.weight.dtype == torch.bfloat16 and kernels.available("linear_bf16")):
+        # streaming kernels read them at the roofline (benchmarks/README.md).
+        if (x.dtype == torch.bfloat16 and x.dim() == 2 and self.weight.dtype == torch.bfloat16
+                and registry.use("linear_bf16", tokens=x.shape[0])):
             return kernels.linear_bf16(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return torch_linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Module):

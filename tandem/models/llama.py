@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from tandem import kernels
-from tandem.attention import AttentionBackend, AttentionMetadata, CpuPagedAttention, select_backend
+from tandem.attention import AttentionBackend, AttentionMetadata, select_backend
+from tandem.kernels import registry
 from tandem.models.hf_config import HFModelConfig
 from tandem.models.layers import (
     Embedding,
@@ -162,7 +163,7 @@ class LlamaDecoderLayer(nn.Module):
         return kernels.decoder_layer_bf16(
             x, residual, norm.weight, self.post_attention_layernorm.weight, norm.eps, (qkv.weight, qkv.bias),
             (o.weight, o.bias), (gate_up.weight, gate_up.bias), (down.weight, down.bias), rope[0], rope[1],
-            kv_cache[0], kv_cache[1], meta, attn.num_heads, attn.num_kv_heads, attn.scale, backend.max_query_len,
+            kv_cache[0], kv_cache[1], meta, attn.num_heads, attn.num_kv_heads, attn.scale, backend.kernel_max_query_len,
         )
 
 
@@ -203,14 +204,14 @@ class LlamaModel(nn.Module):
 
     def fused_step(self, x: torch.Tensor) -> bool:
         """Whether this step's layers may run as one C++ call each (``LlamaDecoderLayer.forward_fused``):
-        bf16 activations, the C++ paged attention backend, and few enough tokens (``T``) that every
-        row is attended by its kernel and every linear layer runs ``kernels.linear_bf16``.
+        bf16 activations, few enough tokens (``T``) for the registry's ``decoder_layer_bf16`` limit (its
+        linears run ``linear_bf16``), and an attention backend whose kernel attends every row.
         """
         if x.dtype != torch.bfloat16 or not self.layers:
             return False
-        backend = self.layers[0].self_attn.backend
-        return (isinstance(backend, CpuPagedAttention) and x.shape[0] <= backend.max_query_len
-                and x.shape[0] <= kernels.LINEAR_MAX_TOKENS and kernels.available("decoder_layer_bf16"))
+        t = x.shape[0]
+        return (t <= getattr(self.layers[0].self_attn.backend, "kernel_max_query_len", 0)
+                and registry.use("decoder_layer_bf16", tokens=t) and registry.use("linear_bf16", tokens=t))
 
 
 class LlamaForCausalLM(nn.Module):

@@ -17,9 +17,12 @@ ggml-quants.c ``dequantize_row_q8_0`` / ``_q4_1``; GGUF Q4_0 is exactly ``int4``
 ``QuantizedLinear.empty`` makes a q8_0 / q4_1 layer's ``qweight`` and ``scale`` strided views of one buffer
 (per row: its scales, then its codes, each starting 64-byte aligned), so a layer is one sequential stream.
 The C++ kernels (``tandem.kernels.linear_int8/int4/q8_0/q4_1``) multiply bf16 activations with these
-formats up to ``kernels.linear_max_tokens()`` tokens (avx2: every batch, activations quantized per block
-of 32 as llama.cpp does); larger batches (prefill on avx512_bf16) and other dtypes dequantize the weight
-and use ``F.linear``.
+formats up to the token count the kernel registry allows (``tandem/kernels/registry.py``; avx2: every
+batch, activations quantized per block of 32 as llama.cpp does); above it
+(prefill on ``avx512_bf16``) the kernel dequantizes the weight for one oneDNN GEMM per call. On the
+torch backend (no kernel for the format) the layer dequantizes its weight once, on first use, and keeps
+the dense copy (fp32 on CPUs without bf16 dot products, where fp32 GEMMs are faster): dequantizing on
+every call cost 80% of a decode step.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem import kernels
+from tandem.kernels import registry
 from tandem.models.layers import Linear
 
 METHODS = ("int8", "int4")  # what quantize_model makes from float weights
@@ -142,7 +146,13 @@ class QuantizedLinear(nn.Module):
     ``QuantizedLinear(linear, "int8" | "int4")`` quantizes a float layer; ``QuantizedLinear.empty`` makes
     one of any of ``FORMATS`` for the loader to fill with a checkpoint's codes (GGUF blocks).
     ``forward(x [T, K]) -> [T, N]`` in ``x``'s dtype.
+
+    ``dense`` is the torch backend's dequantized weight ``[N, K]`` (None until a forward pass needs it;
+    not a buffer, so ``state_dict`` holds only the codes). Writing new codes into the buffers after
+    that needs ``drop_dense()``.
     """
+
+    dense: torch.Tensor | None = None
 
     def __init__(self, linear: Linear, method: str) -> None:
         super().__init__()
@@ -209,16 +219,33 @@ class QuantizedLinear(nn.Module):
     def _kernel_dequantized(self) -> torch.Tensor:
         return getattr(kernels, self._DEQUANT_OPS[self.method])(self.qweight, self.scale)
 
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The torch backend's weight ``[N, K]`` in ``dtype``, dequantized on the first call and kept.
+
+        Changes: sets ``dense`` (replaced when another dtype is asked for).
+        """
+        if self.dense is None or self.dense.dtype != dtype:
+            self.dense = self.dequantized(dtype)
+        return self.dense
+
+    def drop_dense(self) -> None:
+        """Forgets the dense copy (after new codes were written). Changes: ``dense``."""
+        self.dense = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         op = self._LINEAR_OPS[self.method]
-        if (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= kernels.linear_max_tokens()
-                and (self.bias is None or self.bias.dtype == torch.bfloat16) and kernels.available(op)):
+        bf16 = x.dtype == torch.bfloat16
+        if (bf16 and x.dim() == 2 and (self.bias is None or self.bias.dtype == torch.bfloat16)
+                and registry.use(op, tokens=x.shape[0])):
             return getattr(kernels, op)(x, self.qweight, self.scale, self.bias)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        if x.dtype == torch.bfloat16 and kernels.available(self._DEQUANT_OPS[self.method]):
-            # NOTE: large batches (prefill) are compute-bound: one fast dequantization, then oneDNN.
+        if bf16 and registry.use(op) and registry.use(self._DEQUANT_OPS[self.method]):
+            # NOTE: more tokens than the kernel takes (prefill on avx512_bf16) is compute-bound: one fast
+            # dequantization per call, then oneDNN's bf16 GEMM; no dense copy is kept.
+            bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self._kernel_dequantized(), bias)
-        return F.linear(x, self.dequantized(x.dtype), bias)
+        compute = registry.torch_compute_dtype(x.dtype)
+        bias = None if self.bias is None else self.bias.to(compute)
+        return F.linear(x.to(compute), self.dense_weight(compute), bias).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.qweight.shape[0]}, method={self.method}"

@@ -157,7 +157,7 @@ def _add_service_routes(app: FastAPI, engine: AsyncLLM, names: ModelNames, metri
 
     @app.get("/version")
     async def version() -> dict[str, str]:
-        return {"version": tandem.__version__}
+        return {"version": tandem.__version__, "kernel_backend": engine.client.kernel_backend}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

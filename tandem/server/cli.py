@@ -263,10 +263,10 @@ def _run(engine: Any, engine_config: EngineConfig, server_config: ServerConfig, 
         pin_frontend(engine_config.cpu_bind, engine_config.num_threads)
     where = f"core pid {core_pid}" if core_pid is not None else f"core at {getattr(engine.client, 'address', '?')}"
     metrics = ServerMetrics(names[0], core_pid=lambda: engine.client.pid if engine.is_healthy else None,
-                            instance_id=engine.instance_id)
+                            instance_id=engine.instance_id, kernel_backend=engine.client.kernel_backend)
     engine.metrics = metrics
     app = build_app(engine, names, server_config.api_key, metrics)
-    print(f"tandem: engine ready in {time.monotonic() - t0:.1f} s ({where}); "
+    print(f"tandem: engine ready in {time.monotonic() - t0:.1f} s ({where}, kernels {engine.client.kernel_backend}); "
           f"serving {names[0]} on http://{server_config.host}:{server_config.port}", file=sys.stderr, flush=True)
     timeout = server_config.shutdown_timeout
     # NOTE: uvicorn's own drain timeout is a backstop; ours ends the requests first, cleanly.

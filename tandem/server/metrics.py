@@ -43,10 +43,12 @@ class ServerMetrics:
         core_pid: a callable giving the engine-core pid (for its resident memory; None once it is
             gone), or None.
         instance_id: this server's id (the ``instance_id`` label; routers tell engines apart by it).
+        kernel_backend: the engine core's kernel path (``tandem/kernels/registry.py``), exported as the
+            info-style gauge ``tandem:kernel_backend_info{model_name, instance_id, backend} 1``; None: none.
     """
 
     def __init__(self, model_name: str, core_pid: Callable[[], int | None] | None = None,
-                 instance_id: str = "") -> None:
+                 instance_id: str = "", kernel_backend: str | None = None) -> None:
         self.registry = CollectorRegistry()
         self.core_pid = core_pid
         reg, labels, values = self.registry, ["model_name", "instance_id"], (model_name, instance_id)
@@ -90,6 +92,9 @@ class ServerMetrics:
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
                                           ITERATION_TOKEN_BUCKETS)
         self._last = CoreStats()
+        if kernel_backend is not None:
+            Gauge("tandem:kernel_backend_info", "Kernel path of the engine core (the backend label); always 1.",
+                  [*labels, "backend"], registry=reg).labels(*values, kernel_backend).set(1)
 
     def record_step(self, stats: CoreStats, num_batched_tokens: int) -> None:
         """Gauges from the snapshot; counters by the increase of the core's cumulative counters."""

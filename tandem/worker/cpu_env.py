@@ -10,6 +10,12 @@ allowed cores the engine does not use, when there are any.
 left to the front end when at least ``AUTO_RESERVE_MIN_CORES`` are allowed; with ``num_threads``
 the engine takes the last ``num_threads`` allowed cores), or a core list such as ``"0-3,6"``.
 
+Shared machines: the default thread count is the smaller of the allowed CPU set
+(``os.sched_getaffinity``: taskset, cpuset cgroups, Kubernetes' static CPU manager) and the cgroup
+CPU quota rounded down (``cpu.max`` in cgroup v2, ``cpu.cfs_quota_us / cpu.cfs_period_us`` in v1;
+Kubernetes turns ``resources.limits.cpu`` into that quota). An OpenMP team larger than the quota is
+throttled every period while its barriers wait for the descheduled threads.
+
 Importing this module does not import torch (the front end validates ``--cpu-bind`` with it).
 """
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,14 +31,99 @@ from tandem.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
+# Tandem's OpenMP wait policy: idle threads sleep (futex) instead of spinning. libgomp's default spins
+# 300000 iterations at each barrier, so a thread whose partner was descheduled burns its co-tenant's
+# share of the core. Measured with benchmarks/contention_bench.py (default model, 2 threads, 2 cores,
+# one busy process per core): spin 0.06x of the unloaded rate, GOMP_SPINCOUNT=10000 0.34x, =1000 0.22x,
+# passive 0.49x (the goal is 0.45x); with only other tenants' load, passive was 2.7-5.5x faster than
+# spinning. Set before torch loads libgomp (``apply_omp_wait_default``).
+OMP_WAIT_DEFAULTS = {"OMP_WAIT_POLICY": "passive"}
+
 # "auto" keeps one core for the front end only from this many allowed cores on: with fewer, the
 # engine's compute is worth more than an idle front end's core (on 2 cores both go to the engine).
 AUTO_RESERVE_MIN_CORES = 4
 
 
+def apply_omp_wait_default(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Sets ``OMP_WAIT_DEFAULTS`` in ``environ`` (default ``os.environ``) unless the user chose a wait policy
+    (``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set) or ``TANDEM_OMP_WAIT=keep``. Returns whether it did.
+    Only effective before libgomp starts (before ``import torch``): ``tandem/__init__.py`` calls it, and
+    spawned engine-core processes inherit the variable. Changes: ``environ``.
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("TANDEM_OMP_WAIT") == "keep" or "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+        return False
+    environ.update(OMP_WAIT_DEFAULTS)
+    return True
+
+
 def available_cores() -> int:
-    """How many cores this process may run on (its CPU affinity set where the OS reports one)."""
-    return len(allowed_cpus())
+    """How many cores this process may use: its CPU affinity set, capped by the cgroup CPU quota."""
+    return default_num_threads(len(allowed_cpus()), cgroup_cpu_quota())
+
+
+def default_num_threads(num_allowed: int, quota: float | None) -> int:
+    """``num_allowed`` cores capped by ``quota`` CPUs (None = no quota) rounded down, at least 1."""
+    if quota is None:
+        return max(1, num_allowed)
+    return max(1, min(num_allowed, int(quota)))
+
+
+def cgroup_cpu_quota(
+    root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")
+) -> float | None:
+    """CPUs this process's cgroups allow (quota / period, e.g. 1.5), or None without a quota.
+
+    Reads ``/proc/self/cgroup`` for our cgroup paths, then the smallest limit over that cgroup and its
+    ancestors (a parent's limit binds its children): cgroup v2 ``<root>/<path>/cpu.max`` (``"max 100000"``
+    or ``"150000 100000"``), cgroup v1 ``<root>/cpu[,cpuacct]/<path>/cpu.cfs_quota_us`` (-1 = none) over
+    ``cpu.cfs_period_us``. Inside a container the paths are relative to its own cgroup namespace, so the
+    mount root itself is read too. Unreadable or malformed files count as no limit.
+    """
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    limits: list[float] = []
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":
+            limits += _quotas(root, path, _read_cpu_max)
+        elif "cpu" in controllers.split(","):
+            for mount in (root / controllers, root / "cpu", root / "cpu,cpuacct"):
+                if mount.is_dir():
+                    limits += _quotas(mount, path, _read_cfs_quota)
+                    break
+    return min(limits) if limits else None
+
+
+def _quotas(mount: Path, path: str, read) -> list[float]:
+    """The limits ``read`` finds in ``mount/path`` and each of its ancestors up to ``mount``."""
+    parts = [p for p in path.strip("/").split("/") if p]
+    found = []
+    for depth in range(len(parts), -1, -1):
+        limit = read(mount.joinpath(*parts[:depth]))
+        if limit is not None:
+            found.append(limit)
+    return found
+
+
+def _read_cpu_max(folder: Path) -> float | None:
+    try:
+        quota, period = (folder / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _read_cfs_quota(folder: Path) -> float | None:
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
+        return None if quota <= 0 else quota / period
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
 
 
 def allowed_cpus() -> list[int]:
@@ -80,21 +172,31 @@ class CpuPlan:
     frontend_cpus: list[int] | None
 
 
-def plan_cpus(cpu_bind: str, num_threads: int | None, allowed: list[int] | None = None) -> CpuPlan:
-    """Resolves ``cpu_bind`` (see the module docstring) against the ``allowed`` CPUs (default: ours).
+def plan_cpus(
+    cpu_bind: str, num_threads: int | None, allowed: list[int] | None = None, quota: float | None = None
+) -> CpuPlan:
+    """Resolves ``cpu_bind`` (see the module docstring) against the ``allowed`` CPUs and the CPU ``quota``
+    (CPUs, None = none); with ``allowed`` None both are this process's (``allowed_cpus``,
+    ``cgroup_cpu_quota`` unless ``quota`` is given). Without ``num_threads`` the engine gets
+    ``default_num_threads`` threads: under "auto" pinned to the last ones of ``allowed``.
 
     Raises:
         ConfigError: a bad list, cores outside ``allowed``, ``num_threads`` < 1, more threads than
             allowed cores under "auto", or ``num_threads`` different from the length of the list.
     """
-    allowed = allowed_cpus() if allowed is None else sorted(allowed)
+    if allowed is None:
+        allowed, quota = allowed_cpus(), cgroup_cpu_quota() if quota is None else quota
+    allowed = sorted(allowed)
     if num_threads is not None and num_threads < 1:
         raise ConfigError(f"num_threads must be >= 1, got {num_threads}")
     mode = cpu_bind.strip().lower()
+    default = default_num_threads(len(allowed), quota)
     if mode == "none":
-        return CpuPlan(None, num_threads if num_threads is not None else len(allowed), None)
+        return CpuPlan(None, num_threads if num_threads is not None else default, None)
     if mode == "auto":
-        if num_threads is not None:
+        if num_threads is None and default < len(allowed):
+            engine = allowed[len(allowed) - default:]  # NOTE: a quota below the allowed set: its last cores
+        elif num_threads is not None:
             if num_threads > len(allowed):
                 raise ConfigError(f"cpu_bind 'auto' with num_threads {num_threads}: only {len(allowed)} "
                                   f"core(s) {allowed} are allowed; one thread per core")
@@ -149,6 +251,7 @@ def bind_engine_threads(cpus: list[int]) -> str:
     """
     import torch
 
+    from tandem.kernels import registry
     from tandem.kernels.build import load_extension
 
     try:
@@ -156,10 +259,9 @@ def bind_engine_threads(cpus: list[int]) -> str:
     except OSError as e:
         raise ConfigError(f"cannot pin the engine to cores {cpus}: {e.strerror or e}") from e
     torch.set_num_threads(len(cpus))
-    ext = load_extension()
-    if ext is None or not hasattr(ext, "bind_omp_threads"):
+    if not registry.use("bind_omp_threads"):
         return "process"
-    ext.bind_omp_threads(cpus)
+    load_extension().bind_omp_threads(cpus)
     return "per-thread"
 
 

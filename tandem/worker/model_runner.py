@@ -21,6 +21,7 @@ import torch
 
 from tandem.attention import AttentionBackend, AttentionMetadata, token_positions
 from tandem.config import ConfigError, EngineConfig
+from tandem.kernels import registry
 from tandem.kv_cache import transfer
 from tandem.kv_cache.storage import bytes_per_block, check_kv_memory, kv_cache_shape
 from tandem.models.hf_config import HFModelConfig, load_hf_config
@@ -114,6 +115,8 @@ class ModelRunner:
         backend: AttentionBackend | None = None,
         progress: bool = True,
     ) -> None:
+        # NOTE: before anything loads a kernel variant (configure_threads binds threads through one).
+        registry.configure(engine_config.model.kernel_backend)
         self.num_threads = configure_threads(engine_config.num_threads, engine_config.cpu_bind)
         keep_freed_memory()
         self.config = engine_config
@@ -143,6 +146,8 @@ class ModelRunner:
         self.states: dict[str, SamplingState] = {}
         self.kv_caches: list[KVCache] = []
         self.num_blocks = 0
+        # NOTE: once the model loaded: a start-up that fails says only why (one line), not the kernel path.
+        self.kernel_status = registry.log_status(logger)
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
         """Bytes one KV block of ``block_size`` tokens takes across all layers (K and V)."""

@@ -13,6 +13,8 @@ import pytest
 from live_server import API_KEY, AUTH, MODEL, metric_samples, wait_idle
 from transformers import AutoTokenizer
 
+from tandem.kernels import registry
+
 
 @pytest.fixture(scope="module")
 def server(api_server):
@@ -98,7 +100,12 @@ def test_unknown_model_is_404(server):
 def test_health_version_models(server):
     r = httpx.get(f"{server.url}/health", timeout=10)
     assert r.status_code == 200 and r.content == b""
-    assert httpx.get(f"{server.url}/version", timeout=10).json() == {"version": "0.1.0"}
+    version = httpx.get(f"{server.url}/version", timeout=10).json()
+    assert version == {"version": "0.1.0", "kernel_backend": version["kernel_backend"]}
+    # the engine core's kernel path: the same as this process selects (the same CPU and environment)
+    assert version["kernel_backend"] == registry.selected()
+    log = server.log()  # the core's start-up line, and the front end's ready line
+    assert f"Tandem kernels: {version['kernel_backend']}" in log and f"kernels {version['kernel_backend']});" in log
     models = httpx.get(f"{server.url}/v1/models", headers=AUTH, timeout=10).json()
     assert models["object"] == "list"
     assert [m["id"] for m in models["data"]] == [MODEL, "stories-alias"]
@@ -139,6 +146,8 @@ def test_metrics_parse_and_count_requests(server):
         assert any(k[0] == f"tandem:{n}" for k in before), n
     assert before[("process_resident_memory_bytes", ())] > 0
     assert before[("tandem:engine_core_resident_memory_bytes", ())] > 0
+    info = {k: v for k, v in before.items() if k[0] == "tandem:kernel_backend_info"}
+    assert info == {("tandem:kernel_backend_info", (("backend", registry.selected()),)): 1.0}
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
     for max_tokens in (3, 5, 7):
         client.completions.create(model=MODEL, prompt=[1, 403, 407], max_tokens=max_tokens, temperature=0,

@@ -19,8 +19,9 @@ from gguf import GGMLQuantizationType as Q
 from safetensors import safe_open
 from test_gguf_convert import bpe, encode, llama_cpp_permute, tiny_model, write_gguf  # noqa: F401
 
-from tandem import LLM, SamplingParams, kernels
+from tandem import LLM, SamplingParams
 from tandem.config import CacheConfig, EngineConfig, ModelConfig
+from tandem.kernels import registry
 from tandem.models.gguf_convert import QUANTIZED_KEY, convert_gguf
 from tandem.models.layers import Linear
 from tandem.models.quant import QuantizedLinear, dequantize_weight
@@ -115,10 +116,14 @@ def test_logits_and_greedy_tokens_match_the_dequantized_path(tmp_path, bpe, arch
     # from the dequantized bf16 path, so that comparison is skipped there.
     kept16, deq16 = runner(kept).prompt_logits(PROMPT), runner(dequantized).prompt_logits(PROMPT)
     op = "linear_" + {Q.Q8_0: "q8_0", Q.Q4_0: "int4", Q.Q4_1: "q4_1"}[qtype]
-    quantized_activations = kernels.available(op) and kernels.backend() == "avx2"
+    quantized_activations = registry.backend_for(op) == "avx2"
+    # NOTE: the torch backend on a CPU without bf16 dot products multiplies the kept codes' fp32 weights in
+    # fp32 (tandem/models/quant.py) but the dequantized checkpoint's bf16 weights in bf16: only the bounds
+    # against float32 apply, and greedy tokens may flip near-ties as with quantized activations.
+    fp32_torch = not registry.use(op) and registry.torch_compute_dtype(torch.bfloat16) == torch.float32
     assert (kept16 - deq32).norm() / deq32.norm() < (0.08 if quantized_activations else 0.04)
     assert (deq16 - deq32).norm() / deq32.norm() < 0.04
-    if not quantized_activations:
+    if not (quantized_activations or fp32_torch):
         assert (kept16 - deq16).norm() / deq32.norm() < 0.01
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -127,7 +132,7 @@ def test_logits_and_greedy_tokens_match_the_dequantized_path(tmp_path, bpe, arch
                     .outputs[0].token_ids)
 
     reference = greedy(dequantized)
-    if quantized_activations or (qtype == Q.Q8_0 and kernels.available("linear_q8_0")):
+    if quantized_activations or fp32_torch or (qtype == Q.Q8_0 and registry.use("linear_q8_0")):
         # Decode steps quantize the activations to int8 per block of 32 as llama.cpp does (every step on
         # avx2; one-token q8_0 steps on AVX512-VNNI), which can flip near-ties of these random tiny models:
         # each token the kept model picks must be within 3% of the logit range of the best one under the
@@ -137,7 +142,7 @@ def test_logits_and_greedy_tokens_match_the_dequantized_path(tmp_path, bpe, arch
         best, worst = ref.max(dim=1).values, ref.min(dim=1).values
         gap = best - ref.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
         assert len(tokens) == 12 and (gap <= 0.03 * (best - worst)).all(), (gap / (best - worst)).max()
-        if quantized_activations:
+        if quantized_activations or fp32_torch:
             return
         monkeypatch.setenv("TANDEM_Q8_0_EXACT", "1")  # exact products: the same tokens as the float path
     assert greedy(kept) == reference and len(reference) == 12
