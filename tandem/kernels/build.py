@@ -150,7 +150,7 @@ def unsupported_reason() -> str | None:
         return reason
     requested = requested_backend()
     if requested == "torch":
-        return "the torch backend was requested (TANDEM_KERNEL_BACKEND=torch / --kernel-backend torch)"
+        return "the torch backend was requested: TANDEM_KERNEL_BACKEND=torch or --kernel-backend torch"
     names = list(VARIANTS) if requested == "auto" else [requested]
     reasons = {n: variant_unsupported_reason(n) for n in names}
     if any(r is None for r in reasons.values()):

@@ -63,7 +63,8 @@ DESCRIPTIONS = {"avx512_bf16": "AVX-512 BF16 + VNNI", "avx2": "AVX2+FMA+F16C", "
 # NOTE: an estimate from the default model (SmolLM2-135M Q4_1), batch-1 decode, 2 threads: the torch
 # backend (quantized weights dequantized once) made 4-8 tokens/s on a loaded 2-core AVX2 machine, against
 # about 80 targeted with the kernels and 119 for llama.cpp on the same file (issue 11).
-TORCH_COST = "decode is about 10x slower than with the avx2/avx512_bf16 kernels"
+# NOTE: measured on the default model, 2 Zen 1 cores: 4.5-6 tokens/s on torch against 15-24 on avx2.
+TORCH_COST = "decode is 3-5x slower than with the avx2/avx512_bf16 kernels"
 
 
 def selected() -> str:
