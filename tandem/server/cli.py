@@ -129,9 +129,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """``tandem serve``: the flags as configs, then ``serve``. Raises: see ``serve``."""
     from tandem.cli import engine_config_from_args, parallel_config_from_args
 
+    if getattr(args, "engine_address", None) is not None:
+        _refuse_engine_flags(args)
     log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     return serve(engine_config_from_args(args), server_config_from_args(args), log_level,
                  default_name=args.model or DEFAULT_MODEL_NAME, parallel_config=parallel_config_from_args(args))
+
+
+# Engine flags that still mean something with a remote core: the tokenizer's folder and its template.
+_REMOTE_ENGINE_FLAGS = frozenset({"model", "chat_template"})
+
+
+def _refuse_engine_flags(args: argparse.Namespace) -> None:
+    """With ``--engine-address`` the engine runs elsewhere (``tandem engine`` takes its flags), so an
+    engine flag given to ``serve`` would be silently ignored: refuse it instead.
+
+    Raises:
+        ValueError: an engine flag other than ``--model`` / ``--chat-template`` differs from its default.
+    """
+    from tandem.cli import add_engine_args
+
+    probe = argparse.ArgumentParser(add_help=False)
+    add_engine_args(probe, cpu_bind_default="auto")
+    given = [a.option_strings[0] for a in probe._actions if a.dest not in _REMOTE_ENGINE_FLAGS
+             and a.option_strings and getattr(args, a.dest, a.default) != a.default]
+    if given:
+        raise ValueError(f"{', '.join(given)} configure the engine core, which runs elsewhere with "
+                         "--engine-address: pass them to `tandem engine` instead")
 
 
 def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "WARNING",

@@ -40,8 +40,10 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.model = str(model)
+        # NOTE: with --engine-address the engine flags belong to `tandem engine` (serve refuses them).
+        engine = [] if "--engine-address" in flags else ["--dtype", "float32", "--num-threads", "1"]
         cmd = [sys.executable, "-m", "tandem.cli", "--log-level", "INFO", "serve", "--model", self.model,
-               "--dtype", "float32", "--port", str(self.port), "--num-threads", "1", *flags]
+               *engine, "--port", str(self.port), *flags]
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})

@@ -109,3 +109,13 @@ def test_killed_engine_ends_the_stream_then_503_then_reconnects(remote_server, e
         time.sleep(0.1)
     assert r.json()["usage"]["completion_tokens"] == 24
     assert "reconnected to the engine core after" in remote_server.log()
+
+
+def test_engine_flags_with_an_engine_address_are_refused(stories_dir):
+    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", str(stories_dir), "--port", "0",
+           "--engine-address", "tcp://127.0.0.1:9", "--dtype", "float32", "--kv-cache-gib", "1"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "tandem: error: --dtype, --kv-cache-gib configure the engine core, which runs elsewhere with "
+        "--engine-address: pass them to `tandem engine` instead")
