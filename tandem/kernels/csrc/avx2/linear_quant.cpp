@@ -91,51 +91,106 @@ inline void row_scales(const Weights& w, int64_t row0, int64_t ldb, float* dst_d
   }
 }
 
+// The fp32 d of blocks g.. of one row (q4_1: *mins the m), n = min(8, blocks - g) values, zero past n
+// (exact fp16 -> fp32, F16C); q4_1's (d, m) pairs are de-interleaved with shuffles before converting.
+template <Kind F>
+inline __m256 group_scales(const c10::Half* s, int64_t g, int64_t n, __m256* mins) {
+  if constexpr (F == Kind::kQ4_1) {
+    __m256i h;
+    if (n >= 8) {
+      h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 2 * g));
+    } else {
+      alignas(32) uint16_t tmp[16] = {};
+      std::memcpy(tmp, s + 2 * g, 4 * n);
+      h = _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp));
+    }
+    // per 128-bit lane: the 4 d halves, then the 4 m halves; then lane 0 d, lane 1 d, lane 0 m, lane 1 m
+    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                           0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    h = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(h, split), 0xD8);
+    *mins = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  } else {
+    if (n >= 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g)));
+    alignas(16) uint16_t tmp[8] = {};
+    std::memcpy(tmp, s + g, 2 * n);
+    return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tmp)));
+  }
+}
+
 // Tokens [m0, m0 + MB) x rows [row0, row0 + RB): the per-block integer dots and their fp32 FMAs.
+// Blocks go by groups of 8: the group's d_w * dx products (8 at once, the same fp32 products as one
+// per block) are staged on the stack; q4_1's min term m * (dx * S_b) takes one FMA per group into its
+// own accumulator (in the group loop for one token, after it for more), the same bits either way.
 template <Kind F, int MB, int RB>
-void tile(const Weights& w, const QuantizedActivations& a, int64_t m0, int64_t row0, const float* dw,
-          const float* mw, const Output& out) {
+void tile(const Weights& w, const QuantizedActivations& a, int64_t m0, int64_t row0, const Output& out) {
   constexpr bool kSigned = F == Kind::kInt8 || F == Kind::kQ8_0;
   const int64_t ldb = a.ldb;
   const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[MB * RB];
+  __m256 acc[MB * RB], macc[MB * RB];
 #pragma GCC unroll 16
-  for (int i = 0; i < MB * RB; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < w.blocks; ++b) {
-    __m256i wq[RB];
+  for (int i = 0; i < MB * RB; ++i) acc[i] = macc[i] = _mm256_setzero_ps();
+  const uint8_t* rows[RB];
 #pragma GCC unroll 8
-    for (int r = 0; r < RB; ++r) wq[r] = block_codes<F>(w.q + (row0 + r) * w.ldq, b, w.K);
-#pragma GCC unroll 4
-    for (int m = 0; m < MB; ++m) {
-      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[(m0 + m) * a.ldq + 32 * b]));
-      const __m256 dx = _mm256_broadcast_ss(&a.d[(m0 + m) * ldb + b]);
+  for (int r = 0; r < RB; ++r) rows[r] = w.q + (row0 + r) * w.ldq;
+  for (int64_t g = 0; g < w.blocks; g += 8) {
+    const int64_t n = std::min<int64_t>(8, w.blocks - g);
+    alignas(32) float sc[MB * RB][8];
+    if constexpr (F != Kind::kInt8) {
 #pragma GCC unroll 8
       for (int r = 0; r < RB; ++r) {
-        __m256i p;
-        if constexpr (kSigned)
-          p = _mm256_maddubs_epi16(_mm256_sign_epi8(wq[r], wq[r]), _mm256_sign_epi8(xq, wq[r]));
-        else
-          p = _mm256_maddubs_epi16(wq[r], xq);
-        __m256i i32 = _mm256_madd_epi16(p, ones);
-        if constexpr (F == Kind::kQ4_0) i32 = _mm256_sub_epi32(i32, _mm256_set1_epi32(a.s[(m0 + m) * ldb + b]));
-        const __m256 scale = F == Kind::kInt8 ? dx : _mm256_mul_ps(_mm256_broadcast_ss(dw + r * ldb + b), dx);
-        acc[m * RB + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), scale, acc[m * RB + r]);
+        __m256 mins;
+        const __m256 d = group_scales<F>(w.scale + (row0 + r) * w.lds, g, n, &mins);
+#pragma GCC unroll 4
+        for (int m = 0; m < MB; ++m) {
+          _mm256_store_ps(sc[m * RB + r], _mm256_mul_ps(d, _mm256_loadu_ps(&a.d[(m0 + m) * ldb + g])));
+          if constexpr (F == Kind::kQ4_1 && MB == 1)
+            macc[m * RB + r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(&a.ds[(m0 + m) * ldb + g]), macc[m * RB + r]);
+        }
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t b = g + j;
+      __m256i wq[RB];
+#pragma GCC unroll 8
+      for (int r = 0; r < RB; ++r) wq[r] = block_codes<F>(rows[r], b, w.K);
+#pragma GCC unroll 4
+      for (int m = 0; m < MB; ++m) {
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[(m0 + m) * a.ldq + 32 * b]));
+#pragma GCC unroll 8
+        for (int r = 0; r < RB; ++r) {
+          __m256i p;
+          if constexpr (kSigned)
+            p = _mm256_maddubs_epi16(_mm256_sign_epi8(wq[r], wq[r]), _mm256_sign_epi8(xq, wq[r]));
+          else
+            p = _mm256_maddubs_epi16(wq[r], xq);
+          __m256i i32 = _mm256_madd_epi16(p, ones);
+          if constexpr (F == Kind::kQ4_0)
+            i32 = _mm256_sub_epi32(i32, _mm256_set1_epi32(a.s[(m0 + m) * ldb + b]));
+          const __m256 scale = F == Kind::kInt8 ? _mm256_broadcast_ss(&a.d[(m0 + m) * ldb + b])
+                                                : _mm256_broadcast_ss(&sc[m * RB + r][j]);
+          acc[m * RB + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), scale, acc[m * RB + r]);
+        }
+      }
+    }
+  }
+  if constexpr (F == Kind::kQ4_1 && MB > 1) {  // NOTE: a separate pass: 2 x 8 accumulators would spill
+    for (int64_t g = 0; g < w.blocks; g += 8) {
+#pragma GCC unroll 8
+      for (int r = 0; r < RB; ++r) {
+        __m256 mins;
+        group_scales<F>(w.scale + (row0 + r) * w.lds, g, std::min<int64_t>(8, w.blocks - g), &mins);
+#pragma GCC unroll 4
+        for (int m = 0; m < MB; ++m)
+          macc[m * RB + r] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(&a.ds[(m0 + m) * ldb + g]), macc[m * RB + r]);
       }
     }
   }
   float sums[MB * RB];
 #pragma GCC unroll 16
-  for (int i = 0; i < MB * RB; ++i) sums[i] = hsum8(acc[i]);
-  if constexpr (F == Kind::kQ4_1) {  // + sum_b m_b * dx_b * S_b, 8 blocks per FMA
-#pragma GCC unroll 4
-    for (int m = 0; m < MB; ++m)
-#pragma GCC unroll 8
-      for (int r = 0; r < RB; ++r) {
-        __m256 macc = _mm256_setzero_ps();
-        for (int64_t g = 0; g < ldb; g += 8)
-          macc = _mm256_fmadd_ps(_mm256_loadu_ps(mw + r * ldb + g), _mm256_loadu_ps(&a.ds[(m0 + m) * ldb + g]), macc);
-        sums[m * RB + r] += hsum8(macc);
-      }
+  for (int i = 0; i < MB * RB; ++i) {
+    sums[i] = hsum8(acc[i]);
+    if constexpr (F == Kind::kQ4_1) sums[i] += hsum8(macc[i]);  // + sum_b m_b * dx_b * S_b
   }
   out.store(sums, RB, MB, m0, row0);
 }
@@ -143,22 +198,18 @@ void tile(const Weights& w, const QuantizedActivations& a, int64_t m0, int64_t r
 // Tiles of MB tokens x RB rows (the last ones smaller); threads split the rows.
 template <Kind F, int MB, int RB>
 void run_tiles(const Weights& w, const QuantizedActivations& a, int64_t M, int64_t N, const Output& out) {
-  const int64_t tiles = (N + RB - 1) / RB, ldb = a.ldb;
+  const int64_t tiles = (N + RB - 1) / RB;
   // NOTE: a grain of ~64 rows keeps small layers on one thread, where a fork costs more than the work.
   tandem::avx2::parallel_for(0, tiles, std::max<int64_t>(1, 64 / RB), [&](int64_t begin, int64_t end) {
-    std::vector<float> dw(RB * ldb), mw(RB * ldb);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t row0 = t * RB;
       if (row0 + RB <= N) {
-        row_scales<F, RB>(w, row0, ldb, dw.data(), mw.data());
         int64_t m = 0;
-        for (; m + MB <= M; m += MB) tile<F, MB, RB>(w, a, m, row0, dw.data(), mw.data(), out);
-        for (; m < M; ++m) tile<F, 1, RB>(w, a, m, row0, dw.data(), mw.data(), out);
+        for (; m + MB <= M; m += MB) tile<F, MB, RB>(w, a, m, row0, out);
+        for (; m < M; ++m) tile<F, 1, RB>(w, a, m, row0, out);
       } else {
-        for (int64_t row = row0; row < N; ++row) {
-          row_scales<F, 1>(w, row, ldb, dw.data(), mw.data());
-          for (int64_t m = 0; m < M; ++m) tile<F, 1, 1>(w, a, m, row, dw.data(), mw.data(), out);
-        }
+        for (int64_t row = row0; row < N; ++row)
+          for (int64_t m = 0; m < M; ++m) tile<F, 1, 1>(w, a, m, row, out);
       }
     }
   });
