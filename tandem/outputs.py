@@ -18,6 +18,9 @@ class Logprob:
 
 # One position's logprobs: token id -> Logprob; holds the sampled token plus the top-N.
 PositionLogprobs = dict[int, Logprob]
+# A prompt's logprobs (vLLM's ``PromptLogprobs``): one entry per prompt token, holding that token and the
+# top-N at its position; the first entry is None (no token precedes it).
+PromptLogprobs = list[PositionLogprobs | None]
 
 
 @dataclass
@@ -89,6 +92,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Per request: one PositionLogprobs per sampled token (only for requests that asked for logprobs).
     logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    # Per request that asked for prompt logprobs: the whole prompt's, sent with its first sampled token.
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
@@ -106,6 +111,7 @@ class EngineCoreOutput:
     # Speculative decoding, cumulative for this request: drafts verified and drafts accepted (tokens).
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # with the request's first output only
 
 
 @dataclass
@@ -138,3 +144,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # With ``SamplingParams.prompt_logprobs``: one entry per prompt token, the first None (vLLM's shape).
+    # Delta outputs carry it once, in the first output after the prompt was computed.
+    prompt_logprobs: PromptLogprobs | None = None
