@@ -5,13 +5,15 @@ The interface, shared by the standalone ``tandem router`` and ``tandem serve -dp
 - ``BackendState``: one backend as the router sees it: ``name``, ``outstanding_requests``,
   ``outstanding_tokens`` (prompt + requested output tokens of its dispatched, unfinished requests),
   ``healthy`` (set by the health checker), ``max_outstanding`` (router-side cap on requests, None =
-  none) and ``index`` (a ``kv_index.BlockIndex``: ``EventBlockIndex`` when the backend publishes KV
-  events, else ``ApproxBlockIndex``).
+  none), ``probation`` (half-open after an ejection: one request at a time) and ``index`` (a
+  ``kv_index.BlockIndex``: ``EventBlockIndex`` when the backend publishes KV events, else
+  ``ApproxBlockIndex``).
 - ``make_policy(name, beta=...)`` -> ``RoundRobinPolicy`` | ``LeastLoadPolicy`` | ``KVAwarePolicy``.
-- ``policy.choose(prompt_block_hashes, backends) -> BackendState``: picks among the *eligible*
-  backends (healthy and not full). No state changes except the round-robin cursor. Raises
-  ``NoHealthyBackendError`` when none is healthy and ``AllBackendsFullError`` when every healthy
-  one is at ``max_outstanding`` (the router answers 503 / 429 with ``Retry-After``).
+- ``policy.choose(prompt_block_hashes, backends, exclude=()) -> BackendState``: picks among the
+  *eligible* backends (healthy, not full, not excluded: ``eligible``). No state changes except
+  the round-robin cursor. Raises ``NoHealthyBackendError`` when none is healthy and
+  ``AllBackendsFullError`` when every healthy one is full or excluded (the router answers 503 /
+  429 with ``Retry-After``).
 - ``ticket = policy.on_dispatch(backend, prompt_block_hashes, num_tokens)`` when the request is sent,
   ``policy.on_complete(ticket)`` exactly once when it ends (finished, failed, or cancelled). They
   keep the load counters and the backend's index's pending entries.
@@ -33,7 +35,7 @@ Not thread-safe: one asyncio loop calls everything.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from tandem.router.kv_index import ApproxBlockIndex, BlockIndex
@@ -71,6 +73,7 @@ class BackendState:
             requested output tokens).
         healthy: False while ejected (the health checker sets it).
         max_outstanding: the router-side cap on outstanding requests (None: no cap).
+        probation: half-open after an ejection (``health.py``): at most one outstanding request.
         index: which blocks it holds (see ``kv_index``).
     """
 
@@ -79,11 +82,14 @@ class BackendState:
     outstanding_tokens: int = 0
     healthy: bool = True
     max_outstanding: int | None = None
+    probation: bool = False
     index: BlockIndex = field(default_factory=ApproxBlockIndex)
 
     @property
     def full(self) -> bool:
-        return self.max_outstanding is not None and self.outstanding_requests >= self.max_outstanding
+        """At its cap: ``max_outstanding`` requests, or one while on probation."""
+        cap = 1 if self.probation else self.max_outstanding
+        return cap is not None and self.outstanding_requests >= cap
 
 
 @dataclass(eq=False)
@@ -101,17 +107,20 @@ class Ticket:
     done: bool = False
 
 
-def eligible(backends: Sequence[BackendState]) -> list[BackendState]:
-    """The healthy backends below their cap.
+def eligible(backends: Sequence[BackendState], exclude: Collection[BackendState] = ()) -> list[BackendState]:
+    """The healthy backends below their cap and not in ``exclude``.
+
+    ``exclude``: backends this request may not use now (already tried, busy after answering 429);
+    a healthy one among them counts as full.
 
     Raises:
         NoHealthyBackendError: none is healthy (or ``backends`` is empty).
-        AllBackendsFullError: every healthy one is full.
+        AllBackendsFullError: every healthy one is full or excluded.
     """
     healthy = [b for b in backends if b.healthy]
     if not healthy:
         raise NoHealthyBackendError("no healthy backend")
-    free = [b for b in healthy if not b.full]
+    free = [b for b in healthy if not b.full and b not in exclude]
     if not free:
         raise AllBackendsFullError("every backend is at its outstanding-request limit")
     return free
@@ -126,13 +135,14 @@ class Policy:
 
     name = ""
 
-    def choose(self, prompt_block_hashes: Sequence[int], backends: Sequence[BackendState]) -> BackendState:
-        """The backend for a prompt with these chained block hashes (may be empty).
+    def choose(self, prompt_block_hashes: Sequence[int], backends: Sequence[BackendState],
+               exclude: Collection[BackendState] = ()) -> BackendState:
+        """The backend for a prompt with these chained block hashes (may be empty), not one of ``exclude``.
 
         Raises:
             NoHealthyBackendError, AllBackendsFullError: see ``eligible``.
         """
-        return self._pick(prompt_block_hashes, eligible(backends), backends)
+        return self._pick(prompt_block_hashes, eligible(backends, exclude), backends)
 
     def _pick(self, hashes: Sequence[int], candidates: list[BackendState],
               backends: Sequence[BackendState]) -> BackendState:
