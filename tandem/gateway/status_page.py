@@ -30,10 +30,12 @@ function draw(s) {
     + ', dropped ' + sh.dropped + ', in flight ' + sh.in_flight;
   document.getElementById('divergences').innerHTML = sh.recent_divergences.map(
     d => '<li>' + d.tiers.join(', ') + ' (request ' + d.request_sha256 + ')</li>').join('');
+  document.getElementById('updated').textContent = 'refreshed live at ' + new Date().toISOString();
 }
 async function refresh() {
   try { const r = await fetch('status'); if (r.ok) draw(await r.json()); } catch (e) {}
 }
+refresh();
 setInterval(refresh, 1000);
 """
 
@@ -69,6 +71,7 @@ def render_status_page(status: dict[str, Any]) -> str:
 <style>body{{font-family:sans-serif;margin:2em}} td,th{{padding:.2em .8em;border-bottom:1px solid #ccc}}</style>
 </head><body>
 <h1>tandem gateway</h1>
+<p id="updated">rendered by the server</p>
 <h2>Weights</h2>
 <p>primary <b id="weight-primary">{w['primary'] * 100:.1f}%</b> &middot;
 candidate <b id="weight-candidate">{w['candidate'] * 100:.1f}%</b> &middot;

@@ -223,3 +223,29 @@ def test_midstream_failure_ends_with_error_event_and_done(servers, faulty):
             list(gw.client.completions.create(model="stories", prompt="x", max_tokens=3, stream=True))
         m = metric_samples(gw.url)
         assert m[("tandem_gateway_midstream_failures_total", (("backend", "candidate"),))] == 2
+
+
+def _chromium() -> str:
+    import shutil
+
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        pytest.skip("Debian's chromium is not installed (.ci/run installs it with apt-get where apt works)")
+    return path
+
+
+def test_status_page_renders_weights_in_headless_chromium(faulty, tmp_path):
+    import subprocess
+
+    chromium = _chromium()
+    config = _config(faulty.url, _faulty_candidate(faulty), canary=CanaryConfig(weight=0.25))
+    with Running(config) as gw:
+        gw.complete()
+        cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+               "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=1500",
+               "--dump-dom", f"{gw.url}/gateway/"]
+        dom = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
+    assert '<b id="weight-primary">75.0%</b>' in dom and '<b id="weight-candidate">25.0%</b>' in dom
+    # the live refresh ran in the browser and redrew one row per backend
+    assert "refreshed live at 20" in dom and "rendered by the server" not in dom
+    assert dom.count("<tr><td>primary</td><td>closed</td>") == 1 and dom.count("<tr><td>candidate</td>") == 1
