@@ -48,10 +48,9 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
     if args.candidate:
         base["candidate"] = {**_as_map(base.get("candidate")), "url": args.candidate}
     config = config_from_mapping(base)
-    primary = _override_backend(config.primary, args.primary_api_key,
-                                _parse_map(args.primary_model_map, "--primary-model-map"))
-    candidate = config.candidate and _override_backend(
-        config.candidate, args.candidate_api_key, _parse_map(args.candidate_model_map, "--candidate-model-map"))
+    maps = {s: _parse_map(getattr(args, f"{s}_model_map"), f"--{s}-model-map") for s in (PRIMARY, CANDIDATE)}
+    primary = _override_backend(config.primary, args.primary_api_key, maps[PRIMARY])
+    candidate = config.candidate and _override_backend(config.candidate, args.candidate_api_key, maps[CANDIDATE])
     canary = config.canary
     if args.canary_weight is not None:
         canary = dataclasses.replace(canary, weight=args.canary_weight)

@@ -109,3 +109,21 @@ def test_config_from_mapping_and_its_errors():
 
 def test_redacted_samples_mask_emails_and_numbers():
     assert redact("mail bob@example.com card 4111111111111111 ok 12") == "mail <email> card <num> ok 12"
+
+
+def test_cli_flags_override_the_yaml_file(tmp_path):
+    from tandem.cli import build_parser
+    from tandem.gateway.cli import gateway_config_from_args
+
+    path = tmp_path / "gateway.yaml"
+    path.write_text("primary: {url: 'http://a:1', api_key: pk}\ncandidate: 'http://b:2'\n"
+                    "canary: {weight: 0.1}\ngates: {window_s: 30}\n")
+    args = build_parser().parse_args(["gateway", "--config", str(path), "--canary-weight", "0.3",
+                                      "--candidate-model-map", "m=m-next", "--canary-steps", "0.3:60,1:0"])
+    cfg = gateway_config_from_args(args)
+    assert cfg.primary.api_key == "pk" and cfg.candidate.url == "http://b:2"
+    assert cfg.candidate.model_map == {"m": "m-next"} and cfg.gates.window_s == 30
+    assert cfg.canary.weight == 0.3 and cfg.canary.steps == (CanaryStep(0.3, 60), CanaryStep(1.0, 0))
+    bad = build_parser().parse_args(["gateway", "--primary", "http://a", "--candidate-model-map", "oops"])
+    with pytest.raises(ValueError, match="CLIENT_NAME=BACKEND_NAME"):
+        gateway_config_from_args(bad)
