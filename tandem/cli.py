@@ -1,4 +1,4 @@
-"""Command line: ``tandem generate | chat | serve | engine | bench | gateway | compare | drill``.
+"""Command line: ``tandem generate | chat | serve | engine | router | bench | gateway | compare | drill``.
 
 Flags use vLLM's spelling."""
 
@@ -272,6 +272,12 @@ def _add_optional_commands(sub) -> None:
         pass
     else:
         add_serve_parser(sub, add_engine_args)
+    try:
+        from tandem.router.cli import add_router_parser
+    except ImportError:
+        pass
+    else:
+        add_router_parser(sub)
     try:
         from tandem.bench.cli import add_bench_parser
     except ImportError:
