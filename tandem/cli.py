@@ -1,4 +1,6 @@
-"""Command line: ``tandem generate | chat | serve | engine | bench``. Flags use vLLM's spelling."""
+"""Command line: ``tandem generate | chat | serve | engine | router | bench | gateway | compare | drill``.
+
+Flags use vLLM's spelling."""
 
 from __future__ import annotations
 
@@ -280,11 +282,20 @@ def _add_optional_commands(sub) -> None:
     else:
         add_serve_parser(sub, add_engine_args)
     try:
+        from tandem.router.cli import add_router_parser
+    except ImportError:
+        pass
+    else:
+        add_router_parser(sub)
+    try:
         from tandem.bench.cli import add_bench_parser
     except ImportError:
         pass
     else:
         add_bench_parser(sub)
+    from tandem.gateway.cli import add_gateway_parsers
+
+    add_gateway_parsers(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
