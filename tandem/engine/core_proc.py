@@ -31,6 +31,7 @@ from tandem.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 500  # how often an idle core checks that its parent is still alive
+STALLED_POLL_MS = 50  # longest wait of a core whose requests all wait (remote KV, free blocks, leases)
 
 
 # ---- front end -> core ----
@@ -107,6 +108,7 @@ class CoreStats(msgspec.Struct):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+    kv_transfer: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):
@@ -132,6 +134,7 @@ class StepFailed(msgspec.Struct, tag="step_failed"):
 
     request_ids: list[str]
     message: str
+    status: int = 500  # the HTTP status of the error (503: a KV transfer failed under the "fail" policy)
 
 
 OutputMessage = Ready | AddResult | StepOutputs | CoreFailed | StepFailed
@@ -166,6 +169,9 @@ class EngineCoreProc:
         self.unscheduled: set[str] = set()  # live requests not yet scheduled once (queue time pending)
         self.poller = zmq.Poller()
         self.poller.register(inputs, zmq.POLLIN)
+        for sock in getattr(getattr(core, "kv_connector", None), "sockets", ()):  # NOTE: KV transfers wake it too
+            self.poller.register(sock, zmq.POLLIN)
+        self.stalled = False  # the last step scheduled nothing (requests wait for remote KV or blocks)
 
     def send(self, message: OutputMessage) -> None:
         self.outputs.send(self.encoder.encode(message), copy=False)
@@ -174,13 +180,16 @@ class EngineCoreProc:
         """Loops until ``Shutdown`` or the parent's death. Changes: the engine's queues and cache."""
         while True:
             busy = self.core.has_unfinished_requests()
-            handled, stop = self.drain_inputs(0 if busy else IDLE_POLL_MS)
+            timeout = (STALLED_POLL_MS if self.stalled else 0) if busy else IDLE_POLL_MS
+            handled, stop = self.drain_inputs(timeout)
             if stop or os.getppid() != self.parent_pid:
                 return
             if self.core.has_unfinished_requests():
                 self.step()
             else:
-                self.core.on_idle()  # lease expiry and a rate-limited integrity check
+                self.stalled = False
+                self.core.on_idle()  # KV transfers, lease expiry and a rate-limited integrity check
+                self.send_failed()
                 if handled:
                     self.send(StepOutputs([], self.stats()))
 
@@ -265,7 +274,11 @@ class EngineCoreProc:
             cause = e.__cause__ if e.__cause__ is not None else e
             self.send(StepFailed(list(e.request_ids), f"{type(cause).__name__}: {cause}"))
             return
+        self.send_failed()
         num_tokens = sum(max(0, r.num_computed_tokens - before[rid]) for rid, r in self.live.items())
+        self.stalled = num_tokens == 0 and not outputs
+        if self.stalled:
+            return  # NOTE: nothing ran; the loop waits for an input or a KV transfer to finish
         queue_times = {}
         for rid in list(self.unscheduled):
             request = self.live[rid]
@@ -277,6 +290,14 @@ class EngineCoreProc:
                 self.live.pop(out.request_id, None)
                 self.unscheduled.discard(out.request_id)
         self.send(StepOutputs(outputs, self.stats(), num_tokens, queue_times))
+
+    def send_failed(self) -> None:
+        """Ends the requests the KV connector gave up on (503 each)."""
+        take = getattr(self.core, "take_failed_requests", None)  # NOTE: only an EngineCore has a connector
+        for rid, message in take() if take is not None else ():
+            self.live.pop(rid, None)
+            self.unscheduled.discard(rid)
+            self.send(StepFailed([rid], message, 503))
 
     def stats(self) -> CoreStats:
         return msgspec.convert(self.core.stats(), CoreStats, from_attributes=True)
@@ -323,7 +344,10 @@ def run_engine_core(
                                           kernel_backend=kernels.backend, kernel_message=kernels.message)))
         ready = True
         # NOTE: the parent may be the front end's fork server (see core_client), not the front end.
-        EngineCoreProc(core, inputs, outputs, os.getppid(), config.scheduler.max_queue_len).run()
+        try:
+            EngineCoreProc(core, inputs, outputs, os.getppid(), config.scheduler.max_queue_len).run()
+        finally:
+            core.close()
     except Exception as e:
         # NOTE: a bad flag or model while loading (ValueError, FileNotFoundError) is the user's to fix:
         # the front end prints the one-line message. Anything else is a bug: its traceback is logged
