@@ -1,4 +1,4 @@
-"""Command line: ``tandem generate | chat | serve | engine | bench``. Flags use vLLM's spelling."""
+"""Command line: ``tandem generate | chat | serve | engine | router | bench``. Flags use vLLM's spelling."""
 
 from __future__ import annotations
 
@@ -277,6 +277,12 @@ def _add_optional_commands(sub) -> None:
         pass
     else:
         add_serve_parser(sub, add_engine_args)
+    try:
+        from tandem.router.cli import add_router_parser
+    except ImportError:
+        pass
+    else:
+        add_router_parser(sub)
     try:
         from tandem.bench.cli import add_bench_parser
     except ImportError:
