@@ -1,4 +1,6 @@
-"""Command line: ``tandem generate | chat | serve | engine | router | bench``. Flags use vLLM's spelling."""
+"""Command line: ``tandem generate | chat | serve | engine | router | bench | gateway | compare | drill``.
+
+Flags use vLLM's spelling."""
 
 from __future__ import annotations
 
@@ -289,6 +291,9 @@ def _add_optional_commands(sub) -> None:
         pass
     else:
         add_bench_parser(sub)
+    from tandem.gateway.cli import add_gateway_parsers
+
+    add_gateway_parsers(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
