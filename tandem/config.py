@@ -284,6 +284,32 @@ class KVTransferConfig:
     def from_json(cls, text: str) -> KVTransferConfig:
         """Parses ``--kv-transfer-config`` JSON (vLLM's keys; ``kv_connector_extra_config`` may carry the
         Tandem ones too). Raises: ConfigError: not a JSON object, an unknown key, or a bad value."""
+        import dataclasses
+        import json
+
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--kv-transfer-config is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError("--kv-transfer-config must be a JSON object")
+        extra = data.pop("kv_connector_extra_config", None) or {}
+        if not isinstance(extra, dict):
+            raise ConfigError("kv_connector_extra_config must be a JSON object")
+        data = {**data, **extra}
+        for key in ("kv_rank", "kv_parallel_size"):  # NOTE: vLLM's P2P connectors' keys; one engine each here
+            if data.pop(key, None) not in (None, 0, 1):
+                raise ConfigError(f"{key} is not supported by TandemConnector (one engine per side)")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown --kv-transfer-config keys {unknown}; known: {sorted(known)}")
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise ConfigError(f"--kv-transfer-config: {e}") from None
+
+
 KV_EVENTS_PUBLISHERS = ("null", "zmq")
 
 
@@ -344,24 +370,6 @@ class KVEventsConfig:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"--kv-transfer-config is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError("--kv-transfer-config must be a JSON object")
-        extra = data.pop("kv_connector_extra_config", None) or {}
-        if not isinstance(extra, dict):
-            raise ConfigError("kv_connector_extra_config must be a JSON object")
-        data = {**data, **extra}
-        for key in ("kv_rank", "kv_parallel_size"):  # NOTE: vLLM's P2P connectors' keys; one engine each here
-            if data.pop(key, None) not in (None, 0, 1):
-                raise ConfigError(f"{key} is not supported by TandemConnector (one engine per side)")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown --kv-transfer-config keys {unknown}; known: {sorted(known)}")
-        try:
-            return cls(**data)
-        except TypeError as e:
-            raise ConfigError(f"--kv-transfer-config: {e}") from None
             raise ConfigError(f"--kv-events-config is not valid JSON: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"--kv-events-config must be a JSON object, got {text!r}")
