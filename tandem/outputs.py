@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.sampling_params import SamplingParams
 
@@ -112,6 +113,9 @@ class EngineCoreOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # with the request's first output only
+    # Disaggregated prefill (``tandem/disagg``): what a prefill leg hands to the decode side, or how a
+    # decode leg got its prompt's KV; set on the request's last output only.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -147,3 +151,4 @@ class RequestOutput:
     # With ``SamplingParams.prompt_logprobs``: one entry per prompt token, the first None (vLLM's shape).
     # Delta outputs carry it once, in the first output after the prompt was computed.
     prompt_logprobs: PromptLogprobs | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's field: see ``EngineCoreOutput``

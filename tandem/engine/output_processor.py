@@ -150,6 +150,7 @@ class _ParentState:
         self.num_cached_tokens = 0
         self.prompt_logprobs: PromptLogprobs | None = None  # from the first child that reports them
         self.prompt_logprobs_sent = False  # delta mode: they go out once
+        self.kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -173,6 +174,7 @@ class _ParentState:
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
 
@@ -246,6 +248,8 @@ class OutputProcessor:
                 processed.reqs_to_abort.append(child.request_id)
             parent = child.parent
             parent.num_cached_tokens = max(parent.num_cached_tokens, output.num_cached_tokens)
+            if output.kv_transfer_params is not None:
+                parent.kv_transfer_params = output.kv_transfer_params
             changed[parent.parent_id] = parent
         for parent in changed.values():
             request_output = parent.make_output()

@@ -83,7 +83,8 @@ class OpenAIServingChat:
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         usage = UsageInfo.of(len(ids), completion_tokens, out.num_cached_tokens)
         response = ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                          usage=usage, prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs))
+                                          usage=usage, kv_transfer_params=out.kv_transfer_params,
+                                          prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs))
         return JSONResponse(response.model_dump())
 
     def _logprobs(self, c: CompletionOutput, params: SamplingParams) -> Any:

@@ -138,7 +138,8 @@ class OpenAIServingCompletion:
                 completion_tokens += 0 if request.prompt_only else len(c.token_ids)
         usage = UsageInfo.of(sum(len(ids) for _, ids in prompts), completion_tokens,
                              sum(out.num_cached_tokens for out in outs))
-        return CompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
+        return CompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage,
+                                  kv_transfer_params=outs[0].kv_transfer_params if len(outs) == 1 else None)
 
     async def _stream(
         self, request: CompletionRequest, request_id: str, created: int, model: str,
