@@ -20,11 +20,11 @@ def cluster(stories_dir, chat_template_file, tmp_path_factory):
     router = None
     try:
         for b in backends:
-            b.wait_healthy()
+            b.wait_healthy(300.0)  # NOTE: generous: two servers start at once on a loaded 2-core machine
         router = RouterProcess([b.url for b in backends], logs / "router.log", "--chat-template",
                                str(chat_template_file), "--max-outstanding-per-backend", "1",
                                "--health-interval", "0.2", "--eject-seconds", "1")
-        router.wait_healthy()
+        router.wait_healthy(300.0)
         yield router, backends
     finally:
         for p in [router, *backends]:

@@ -130,24 +130,43 @@ async def test_5xx_is_retried_once_then_relayed_as_is():
     await _stop(service, client)
 
 
-async def test_no_retry_once_the_first_byte_went_out():
+def _sse(chunks, fail=False):
+    return lambda r: httpx.Response(200, stream=Stream(chunks, fail), headers={"content-type": "text/event-stream"})
+
+
+async def test_a_stream_broken_before_its_first_chunk_is_retried_after_it_is_not():
     fakes = Fakes()
-    fakes.script = {A: lambda r: httpx.Response(200, stream=Stream(SSE[:1], fail=True),
-                                                headers={"content-type": "text/event-stream"}),
-                    B: ok}
+    fakes.script = {A: _sse([], fail=True), B: _sse(SSE)}
     service, client = await _start(fakes, A, B)
-    # NOTE: ASGITransport buffers the body, so the client sees the broken stream as the error alone
-    with pytest.raises(httpx.ReadError, match="mid-stream"):
-        await client.post("/v1/completions", json={**BODY, "stream": True})
-    assert fakes.posts() == [A]
+    r = await client.post("/v1/completions", json={**BODY, "stream": True})
+    assert r.status_code == 200 and r.content == b"".join(SSE) and fakes.posts() == [A, B]
     assert service.backends[0].health.state is HealthState.EJECTED
-    assert service.backends[0].state.outstanding_requests == 0
+    service.backends[0].health.on_probe(True)  # (not due yet: stays ejected)
+    fakes.script = {A: _sse(SSE), B: _sse(SSE[:1], fail=True)}
+    r = await client.post("/v1/completions", json={**BODY, "stream": True})
+    events = r.content.split(b"\n\n")
+    assert events[0] + b"\n\n" == SSE[0] and fakes.posts() == [A, B, B]  # not retried on A
+    assert json.loads(events[1].removeprefix(b"data: "))["error"]["code"] == "backend_stream_broken"
+    assert events[2:] == [b"data: [DONE]", b""]
+    assert service.backends[1].health.state is HealthState.EJECTED
+    assert [b.state.outstanding_requests for b in service.backends] == [0, 0]
+    assert 'kind="stream"} 1.0' in (await client.get("/metrics")).text
+    await _stop(service, client)
+
+
+async def test_a_broken_json_body_drops_the_connection():
+    fakes = Fakes()
+    fakes.script = {A: lambda r: httpx.Response(200, stream=Stream([b'{"id": '], fail=True),
+                                                headers={"content-type": "application/json"})}
+    service, client = await _start(fakes, A)
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "backend_unreachable"
     await _stop(service, client)
 
 
 async def test_sse_passes_through_byte_for_byte():
     fakes = Fakes()
-    fakes.script = {A: lambda r: httpx.Response(200, stream=Stream(SSE), headers={"content-type": "text/event-stream"})}
+    fakes.script = {A: _sse(SSE)}
     service, client = await _start(fakes, A)
     async with client.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as r:
         body = b"".join([c async for c in r.aiter_raw()])
