@@ -17,6 +17,7 @@ from tandem.config import (
     CacheConfig,
     EngineConfig,
     KVEventsConfig,
+    KVTransferConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -61,6 +62,10 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_bind_default: str = "none", 
                    help="pin OpenMP thread i of the engine to core i: 'auto' (all allowed cores, one left to the "
                         "server front end from 4 cores on), 'none', or a core list like '0-3,6' "
                         f"(default: {cpu_bind_default})")
+    p.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help='disaggregated prefill/decode, as vLLM spells it: \'{"kv_connector":"TandemConnector",'
+                        '"kv_role":"kv_producer"|"kv_consumer"|"kv_both","kv_port":14579}\' (also kv_ip, engine_id, '
+                        'secret_file, prefill_failure_policy fail|local, lease_ttl_s, transfer_timeout_s)')
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
                    help="draft proposer (default: no speculation)")
@@ -89,6 +94,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         speculative=_speculative_config_from_args(args),
         cpu_bind=getattr(args, "cpu_bind", "none"),
+        kv_transfer=KVTransferConfig.from_json(args.kv_transfer_config)
+        if getattr(args, "kv_transfer_config", None) else None,
         kv_events=KVEventsConfig.from_json(args.kv_events_config) if getattr(args, "kv_events_config", None) else None,
     )
 

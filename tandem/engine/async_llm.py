@@ -370,8 +370,11 @@ class AsyncLLM:
                 self.log.finished(state)
 
     def _on_step_failed(self, message: StepFailed) -> None:
-        """Ends the prompts of a failed (rolled-back) step with a 500; the core serves on."""
-        error = EngineRequestError(500, f"the engine step failed: {message.message.splitlines()[0]}")
+        """Ends the prompts of a failed (rolled-back) step with a 500, or of a failed KV transfer with
+        its status (503); the core serves on."""
+        text = message.message.splitlines()[0]
+        error = EngineRequestError(500, f"the engine step failed: {text}") if message.status == 500 \
+            else EngineRequestError(message.status, text, QUEUE_FULL_RETRY_AFTER_S)
         for parent_id in {self._children[c].parent.request_id for c in message.request_ids if c in self._children}:
             state = self._parents[parent_id]
             self.client.abort_requests(state.live_child_ids)  # NOTE: its other children may still run

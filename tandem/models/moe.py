@@ -122,8 +122,7 @@ class FusedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if (x.dtype == torch.bfloat16 and self.w13.dtype == torch.bfloat16 and "moe_bf16" in registry.LIMITS
-                and registry.use("moe_bf16", tokens=x.shape[0])):
+        if x.dtype == torch.bfloat16 and self.w13.dtype == torch.bfloat16 and registry.use("moe_bf16", x.shape[0]):
             return kernels.moe_bf16(x, self.w13, self.w2, weights, ids)
         return moe_grouped(x, self.w13, self.w2, weights, ids)
 
