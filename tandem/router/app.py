@@ -6,10 +6,11 @@ streams passed through, ``proxy.py``); ``GET /v1/models`` (the first healthy bac
 as JSON); ``GET /metrics`` (``metrics.py``).
 
 Start-up (``RouterService.start``): each backend's ``GET /load`` is read (Tandem servers answer it)
-for the block size, the KV event endpoint and the cache size; the tokenizer is ``--tokenizer`` or the
-first backend's ``/v1/models`` ``root`` when that is a local path (required for kv-aware); KV event
-subscribers start; the health task probes every backend each ``health_interval_s`` (an ejected one
-only when its ejection time is up, ``health.py``).
+for the block size, the KV event endpoint and the cache size (read again when a backend first
+answers later, or comes back from an ejection: a restarted engine may publish elsewhere); the
+tokenizer is ``--tokenizer`` or the first backend's ``/v1/models`` ``root`` when that is a local
+path (required for kv-aware); KV event subscribers start; the health task probes every backend each
+``health_interval_s`` (an ejected one only when its ejection time is up, ``health.py``).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class RouterService:
         self.backends = [HttpBackend(url, cfg, self._ejected(url)) for url in cfg.backends]
         loads = await asyncio.gather(*(b.fetch_load(self.client) for b in self.backends))
         sizes = [x["block_size"] for x in loads if x and isinstance(x.get("block_size"), int)]
-        block_size = cfg.block_size or (sizes[0] if sizes else DEFAULT_BLOCK_SIZE)
+        self.block_size = block_size = cfg.block_size or (sizes[0] if sizes else DEFAULT_BLOCK_SIZE)
         for b in self.backends:
             b.configure(block_size)
             if b.subscriber is not None:
@@ -121,12 +122,28 @@ class RouterService:
     async def _check(self, b: HttpBackend) -> None:
         from tandem.router.health import HealthState
 
-        if b.health.state is HealthState.EJECTED and not b.health.due_probe:
+        ejected = b.health.state is HealthState.EJECTED
+        if ejected and not b.health.due_probe:
             return
         ok, reason = await b.probe(self.client)
         if not ok:
             self.metrics.errors.labels(b.url, "probe").inc()
         b.health.on_probe(ok, reason)
+        if ok and (ejected or not b.answered_load):
+            await self._rediscover(b)
+
+    async def _rediscover(self, b: HttpBackend) -> None:
+        """A backend back from an ejection, or up after the router started: its ``/load`` again, and
+        a new KV event subscription when the endpoint moved (its cached blocks start from its snapshot,
+        or empty). Changes: the backend's index and subscriber."""
+        if await b.fetch_load(self.client) is None or not b.events_moved():
+            return
+        if b.subscriber is not None:
+            await b.subscriber.close()
+        b.configure(self.block_size)
+        if b.subscriber is not None:
+            logger.info("backend %s: KV events now from %s", b.url, b.subscriber.endpoint)
+            b.subscriber.start()
 
     async def stop(self) -> None:
         """Stops the health task and the subscribers, closes the client."""

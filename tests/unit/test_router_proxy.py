@@ -58,10 +58,13 @@ class Fakes:
         self.calls: list[tuple[str, str]] = []
         self.script = {}
         self.load = load
+        self.down: set[str] = set()  # backends that refuse connections
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
         self.calls.append((base, request.url.path))
+        if base in self.down:
+            raise httpx.ConnectError("connection refused", request=request)
         if request.url.path == "/health":
             return httpx.Response(200)
         if request.url.path == "/load":
@@ -319,3 +322,26 @@ async def test_a_client_gone_before_the_body_starts_leaves_nothing_outstanding()
     assert service.backends[0].state.outstanding_requests == 0  # the cap of 1 is free again
     assert (await client.post("/v1/completions", json=BODY)).status_code == 200  # not a 429: the slot is free
     await _stop(service, client)
+
+
+async def test_a_backend_up_after_the_router_is_discovered_then_subscribed():
+    publisher = KVEventPublisher("tcp://127.0.0.1:*")
+    fakes = Fakes()
+    fakes.down = {A}
+    fakes.script = {A: ok, B: ok}
+    service, client = await _start(fakes, A, B, policy="kv-aware")
+    a = service.backends[0]
+    for _ in range(100):  # the health task's first round
+        if a.health.state is HealthState.EJECTED:
+            break
+        await asyncio.sleep(0.01)
+    assert a.health.state is HealthState.EJECTED and a.subscriber is None and not a.answered_load
+    fakes.down = set()
+    fakes.load[A] = {"block_size": 16, "kv_events": {"endpoint": publisher.endpoint, "topic": ""}}
+    a.health.ejected_until = 0.0  # its ejection time is up
+    await service._check(a)
+    assert a.health.state is HealthState.HALF_OPEN
+    assert a.subscriber is not None and a.subscriber.endpoint == publisher.endpoint
+    assert isinstance(a.state.index, EventBlockIndex)
+    await _stop(service, client)
+    publisher.close()
