@@ -94,8 +94,11 @@ class CoreSupervisor:
         in-flight requests, then restarts the core or, in a crash loop, gives up for good."""
         if client is not self.client or self.unavailable is not None or self._closing:
             return
-        self.on_lost(EngineDeadError(reason))
         self._after_death(reason)
+        # NOTE: after deciding whether a new core comes, so in-flight requests that end with 503 carry the
+        # same Retry-After as new ones (none when the core will not come back).
+        retry_after = self.unavailable.retry_after if self.unavailable is not None else None
+        self.on_lost(EngineDeadError(reason, retry_after))
 
     def _after_death(self, reason: str) -> None:
         if self.start_core is None or not self.guard.record_death(time.monotonic()):

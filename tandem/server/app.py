@@ -1,8 +1,8 @@
 """The FastAPI application: routes, API-key check, cancellation on disconnect, engine lifecycle.
 
 Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models[/{id}]`` (API key required when one
-is set), and ``/health``, ``/load``, ``/version``, ``/tokenize``, ``/detokenize``, ``/metrics`` (open,
-as in vLLM). Handlers only use ``AsyncLLM``'s public methods.
+is set), and the open service routes (``service_routes.py``). Handlers only use ``AsyncLLM``'s public
+methods. ``/openapi.json`` documents what they answer (``openapi.py``).
 """
 
 from __future__ import annotations
@@ -15,23 +15,24 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from starlette.datastructures import Headers
+from fastapi.responses import Response
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import tandem
 from tandem.engine.async_llm import AsyncLLM
-from tandem.engine.processor import PromptError
 from tandem.server import errors
-from tandem.server.metrics import CONTENT_TYPE, ServerMetrics
+from tandem.server.metrics import ServerMetrics
+from tandem.server.openapi import error_responses, generation_responses, install_openapi
 from tandem.server.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
-    DetokenizeRequest,
+    CompletionResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
 )
+from tandem.server.service_routes import add_service_routes
 from tandem.server.serving_chat import OpenAIServingChat
 from tandem.server.serving_common import ModelNames
 from tandem.server.serving_completions import OpenAIServingCompletion
@@ -113,77 +114,35 @@ def build_app(
     started = int(time.time())
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(JSONBodyMiddleware)
     app.add_middleware(ArrivalMiddleware)  # NOTE: added last, so it runs first
     v1 = APIRouter(prefix="/v1")
 
-    @v1.post("/completions")
+    @v1.post("/completions", responses=generation_responses(CompletionResponse))
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
         return await cancel_on_disconnect(raw, completions.create(body, arrival_time(raw)))
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", responses=generation_responses(ChatCompletionResponse))
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
         return await cancel_on_disconnect(raw, chat.create(body, arrival_time(raw)))
 
     def card(name: str) -> ModelCard:
         return ModelCard(id=name, created=started, root=engine.model_dir, max_model_len=engine.max_model_len)
 
-    @v1.get("/models")
+    @v1.get("/models", response_model=ModelList)
     async def list_models() -> dict[str, Any]:
         return ModelList(data=[card(name) for name in served_model_names]).model_dump()
 
-    @v1.get("/models/{model_id:path}")
+    @v1.get("/models/{model_id:path}", response_model=ModelCard, responses=error_responses(404))
     async def retrieve_model(model_id: str) -> dict[str, Any]:
         if model_id not in served_model_names:
             raise errors.model_not_found(model_id)
         return card(model_id).model_dump()
 
     app.include_router(v1)
-    _add_service_routes(app, engine, names, metrics)
+    add_service_routes(app, engine, names, metrics)
+    install_openapi(app, api_key is not None, engine.vocab_size)
     return app
-
-
-def _add_service_routes(app: FastAPI, engine: AsyncLLM, names: ModelNames, metrics: ServerMetrics) -> None:
-    """Health, version, metrics, tokenize and detokenize."""
-
-    @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health() -> Response:
-        engine.check_available()
-        return Response(status_code=200)
-
-    @app.get("/load")
-    async def load() -> JSONResponse:
-        """Running / waiting engine requests, KV usage (0..1), block size (tokens), instance id."""
-        return JSONResponse(engine.load())
-
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": tandem.__version__, "kernel_backend": engine.client.kernel_backend}
-
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> JSONResponse:
-        names.resolve(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise errors.bad_request("give exactly one of prompt or messages", "prompt")
-        source = body.prompt if body.messages is None else [m.to_template_message(i) for i, m in
-                                                            enumerate(body.messages)]
-        ids = await engine.run_in_tokenizer(engine.count_tokens, source, body.add_special_tokens,
-                                            body.add_generation_prompt)
-        return JSONResponse({"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
-                             "token_strs": None})
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
-        names.resolve(body.model)
-        vocab = engine.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise PromptError(f"token id {bad[0]} is out of the vocabulary [0, {vocab})", "tokens")
-        return JSONResponse({"prompt": await engine.run_in_tokenizer(engine.decode, body.tokens)})
-
 
 
 def arrival_time(raw: Request) -> float:
@@ -201,4 +160,25 @@ class ArrivalMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             scope["tandem.arrival"] = time.monotonic()
+        await self.app(scope, receive, send)
+
+
+# Routes whose body is JSON whatever the client's Content-Type says.
+JSON_BODY_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
+
+
+class JSONBodyMiddleware:
+    """Reads a POST body on the JSON routes as JSON whatever its ``Content-Type`` (``text/plain``, a
+    form type, none): ``curl -d`` sends ``application/x-www-form-urlencoded``, and FastAPI would
+    otherwise answer valid JSON with a misleading "must be a JSON object". A body that is not JSON
+    then gets "the request body is not valid JSON"."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("method") == "POST" and scope.get("path") in JSON_BODY_PATHS:
+            content_type = Headers(scope=scope).get("content-type", "").split(";")[0].strip().lower()
+            if content_type != "application/json" and not content_type.endswith("+json"):
+                MutableHeaders(scope=scope)["content-type"] = "application/json"
         await self.app(scope, receive, send)

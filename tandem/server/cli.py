@@ -166,7 +166,8 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: s
 
     ``log_level``: the engine core's logging level. ``default_name``: the served model name when
     ``server_config.served_model_names`` is empty. With an ``engine_address`` no model is loaded
-    here: ``engine_config.model`` only names the tokenizer's folder (and chat template).
+    here: ``engine_config.model`` only names the tokenizer's folder (and chat template), and the
+    default served name is the model the engine core reports (its folder's name).
 
     Raises:
         ValueError / FileNotFoundError: bad config or model (the CLI prints them and exits 2).
@@ -198,6 +199,8 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: s
     try:
         if remote:
             engine = _connect_engine(engine_config, server_config, parallel_config)
+            if engine is not None and not server_config.served_model_names and engine.client.model:
+                names = [engine.client.model]  # NOTE: the core's model; --model only names the tokenizer here
         elif dp:
             from tandem.server.data_parallel import start_data_parallel
 

@@ -159,7 +159,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), kind).response()
+        response = APIError(exc.status_code, str(exc.detail), kind).response()
+        response.headers.update(exc.headers or {})  # NOTE: a 405 lists the allowed methods (Allow, RFC 9110)
+        return response
 
     @app.exception_handler(SamplingParamsError)
     @app.exception_handler(PromptError)

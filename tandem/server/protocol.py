@@ -24,9 +24,21 @@ MAX_N = 128  # OpenAI's cap on n; vLLM has none, but n engine requests per promp
 # gives the children 2**63 - 1 and -2**63.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1  # token counts, token ids and top_k are far below it
-TokenId = Annotated[int, Strict()]  # NOTE: Strict rejects true/false (lax mode reads them as 1/0)
+# A token id of the model: the document's maximum (vocabulary size - 1) is filled in by openapi.py.
+VOCAB_ID = "x-tandem-token-id"
+TokenId = Annotated[int, Strict(), Field(json_schema_extra={"minimum": 0, VOCAB_ID: True})]  # NOTE: Strict
+# rejects true/false (lax mode reads them as 1/0)
 BoundedTokenId = Annotated[int, Strict(), Field(ge=0, le=INT32_MAX)]
 TokenCount = Annotated[int, Field(le=INT32_MAX)]
+NonEmptyStr = Annotated[str, Field(json_schema_extra={"minLength": 1})]
+TokenIds = Annotated[list[TokenId], Field(json_schema_extra={"minItems": 1})]
+
+
+def checked(default: Any = None, **bounds: Any) -> Any:
+    """A field whose JSON Schema states ``bounds`` (``minimum``, ``exclusiveMinimum``, ``maximum``,
+    ``minItems``...) that the server enforces itself (SamplingParams, the prompt checks), with its own
+    messages: pydantic does not check them again."""
+    return Field(default, json_schema_extra=bounds)
 NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 # Fields of both endpoints that Tandem knows and does not honour: a non-null value is a 400 naming it.
 UNSUPPORTED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
@@ -80,19 +92,19 @@ class SamplingRequest(OpenAIModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: Annotated[int, Field(le=MAX_N)] = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: TokenCount | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    n: Annotated[int, Field(le=MAX_N)] = checked(1, minimum=1)
+    temperature: float | None = checked(minimum=0)
+    top_p: float | None = checked(exclusiveMinimum=0, maximum=1)
+    top_k: TokenCount | None = checked(minimum=-1)
+    min_p: float | None = checked(minimum=0, maximum=1)
+    presence_penalty: float | None = checked(minimum=-2, maximum=2)
+    frequency_penalty: float | None = checked(minimum=-2, maximum=2)
+    repetition_penalty: float | None = checked(exclusiveMinimum=0)
     seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
-    stop: str | list[str] | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
     stop_token_ids: list[BoundedTokenId] | None = None
-    max_tokens: TokenCount | None = None
-    min_tokens: TokenCount = 0
+    max_tokens: TokenCount | None = checked(minimum=1)
+    min_tokens: TokenCount = checked(0, minimum=0)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -159,7 +171,9 @@ class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``. ``max_tokens`` absent or null: up to the context limit; 0 (with ``echo``)
     returns the prompt alone, with its logprobs when ``logprobs`` is set (the legacy OpenAI API, vLLM)."""
 
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(json_schema_extra={"minItems": 1})] | TokenIds | \
+        Annotated[list[TokenIds], Field(json_schema_extra={"minItems": 1})]
+    max_tokens: TokenCount | None = checked(minimum=0)  # NOTE: 0 only with echo (a 400 otherwise)
     echo: bool = False
     logprobs: NumLogprobs | None = None
     best_of: int | None = None
@@ -226,10 +240,10 @@ class ResponseFormat(OpenAIModel):
 class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = checked(..., minItems=1)
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
-    max_completion_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = checked(minimum=1)
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -270,11 +284,15 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(OpenAIModel):
-    """``POST /tokenize`` (vLLM's shape): a ``prompt`` or chat ``messages``."""
+    """``POST /tokenize`` (vLLM's shape): a ``prompt`` or chat ``messages``, exactly one of them."""
 
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}},
+    ]})
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = checked(minItems=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

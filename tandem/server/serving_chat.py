@@ -74,7 +74,8 @@ class OpenAIServingChat:
         with self.engine.admitted(params.n):
             text, ids = await self.engine.run_in_tokenizer(self.render, request)
             check_context(self.engine.max_model_len, len(ids), params.max_tokens, "messages")
-            streams = await open_streams(self.engine, request_id, [(text, ids)], params, kind, arrival)
+            streams = await open_streams(self.engine, request_id, [(text, ids)], params, kind, arrival,
+                                         request.request_id)
         created = int(time.time())
         if request.stream:
             return event_stream(self._stream(request, request_id, created, model, streams[0], params))

@@ -12,6 +12,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from tandem.engine.async_llm import AsyncLLM, EngineDeadError, EngineRequestError, RequestStream
+from tandem.errors import DuplicateRequestError
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.server import errors
@@ -77,10 +78,11 @@ def check_queue_room(engine: AsyncLLM, num_prompts: int, n: int) -> None:
 
 async def open_streams(
     engine: AsyncLLM, request_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
-    output_kind: str, arrival_time: float,
+    output_kind: str, arrival_time: float, client_id: str | None = None,
 ) -> list[RequestStream]:
     """Queues every prompt; if one is refused, aborts those already queued and re-raises.
     ``arrival_time``: ``time.monotonic()`` when the handler got the request (TTFT starts there).
+    ``client_id``: the client's ``request_id`` field, named in the error when it is in use already.
 
     Raises:
         DuplicateRequestError, PromptError, EngineRequestError, EngineDeadError: see ``AsyncLLM.add_request``.
@@ -90,9 +92,11 @@ async def open_streams(
         for i, (text, ids) in enumerate(prompts):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             streams.append(await engine.add_request(rid, text, ids, params, output_kind, arrival_time))
-    except BaseException:
+    except BaseException as e:
         for stream in streams:
             stream.abort()
+        if isinstance(e, DuplicateRequestError) and client_id is not None:
+            raise DuplicateRequestError(client_id, f"request id {client_id!r} is already in use") from None
         raise
     return streams
 

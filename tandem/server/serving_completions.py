@@ -88,7 +88,8 @@ class OpenAIServingCompletion:
             prompts = await self.engine.run_in_tokenizer(self._tokenize, given, request.echo)
             for _, ids in prompts:
                 check_context(self.engine.max_model_len, len(ids), params.max_tokens, "prompt")
-            streams = await open_streams(self.engine, request_id, prompts, params, kind, arrival)
+            streams = await open_streams(self.engine, request_id, prompts, params, kind, arrival,
+                                         request.request_id)
         created = int(time.time())
         if request.stream:
             return event_stream(self._stream(request, request_id, created, model, streams, prompts, params))

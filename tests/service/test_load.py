@@ -75,7 +75,7 @@ def test_a_request_id_in_use_is_400(server):
         next(line for line in lines if line.startswith("data: "))
         again = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": False}, timeout=10)
     assert again.status_code == 400
-    assert again.json() == {"error": {"message": "request id 'cmpl-job-1' is already in use",
+    assert again.json() == {"error": {"message": "request id 'job-1' is already in use",
                                       "type": "invalid_request_error", "param": "request_id",
                                       "code": "duplicate_request_id"}}
     wait_idle(server.url)

@@ -49,7 +49,7 @@ def remote_server(stories_dir, engine, secret_file, tmp_path_factory):
         s.stop()
 
 
-def test_remote_core_gives_the_local_cores_greedy_output(remote_server, api_server):
+def test_remote_core_gives_the_local_cores_greedy_output(remote_server, api_server, stories_dir):
     remote = httpx.post(f"{remote_server.url}/v1/completions", json=GREEDY, timeout=30)
     local = httpx.post(f"{api_server.url}/v1/completions", json={**GREEDY, "model": MODEL}, headers=AUTH, timeout=30)
     assert remote.status_code == 200 and local.status_code == 200
@@ -57,6 +57,9 @@ def test_remote_core_gives_the_local_cores_greedy_output(remote_server, api_serv
     assert remote.json()["usage"] == {"prompt_tokens": 5, "completion_tokens": 24, "total_tokens": 29,
                                       "prompt_tokens_details": {"cached_tokens": 0}}
     assert "core at tcp://127.0.0.1:" in remote_server.log()
+    # The served name is the model the core reports (its folder's name), not the tokenizer's path.
+    models = httpx.get(f"{remote_server.url}/v1/models", timeout=10).json()["data"]
+    assert [m["id"] for m in models] == [stories_dir.name]
 
 
 def test_a_wrong_secret_is_refused_logged_and_counted(stories_dir, engine, tmp_path, remote_server):
