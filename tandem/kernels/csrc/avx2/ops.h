@@ -30,6 +30,11 @@ at::Tensor dequantize(at::Tensor qweight, at::Tensor scale);
 at::Tensor dequantize_q8_0(at::Tensor qweight, at::Tensor scale);
 at::Tensor dequantize_q4_1(at::Tensor qweight, at::Tensor scale);
 
+// linear_kquant.cpp: GGUF Q5_0 / Q4_K / Q6_K blocks (tandem/models/gguf_blocks.py)
+at::Tensor linear_q5_0(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::optional<at::Tensor> bias);
+at::Tensor linear_q4_k(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::optional<at::Tensor> bias);
+at::Tensor linear_q6_k(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::optional<at::Tensor> bias);
+
 // ../decoder_layer.cpp (ISA-independent: calls the functions above)
 std::tuple<at::Tensor, at::Tensor> decoder_layer_bf16(
     at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor input_norm, at::Tensor post_norm, double eps,
