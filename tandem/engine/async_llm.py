@@ -165,12 +165,15 @@ class AsyncLLM:
 
     def load(self) -> dict[str, Any]:
         """Machine-readable load for routers: engine requests running and waiting (the core's queue plus
-        those admitted here), KV cache usage (0..1), block size (tokens) and this server's instance id."""
+        those admitted here), KV cache usage (0..1), block size (tokens), this server's instance id, and
+        where the core publishes KV events (``kv_events``: endpoint, replay_endpoint, topic; None: it
+        does not)."""
         stats = self.last_stats
         return {"instance_id": self.instance_id, "running": stats.num_running,
                 "waiting": stats.num_waiting + self._num_admitted, "kv_cache_usage": stats.kv_cache_usage,
                 "block_size": self.block_size, "num_kv_blocks": getattr(self.client, "num_blocks", 0),
-                "max_queue_len": self.max_queue_len, "healthy": self.is_healthy}
+                "max_queue_len": self.max_queue_len, "healthy": self.is_healthy,
+                "kv_events": getattr(self.client, "kv_events", None)}
 
     @contextmanager
     def admitted(self, num_requests: int) -> Iterator[None]:
@@ -367,8 +370,11 @@ class AsyncLLM:
                 self.log.finished(state)
 
     def _on_step_failed(self, message: StepFailed) -> None:
-        """Ends the prompts of a failed (rolled-back) step with a 500; the core serves on."""
-        error = EngineRequestError(500, f"the engine step failed: {message.message.splitlines()[0]}")
+        """Ends the prompts of a failed (rolled-back) step with a 500, or of a failed KV transfer with
+        its status (503); the core serves on."""
+        text = message.message.splitlines()[0]
+        error = EngineRequestError(500, f"the engine step failed: {text}") if message.status == 500 \
+            else EngineRequestError(message.status, text, QUEUE_FULL_RETRY_AFTER_S)
         for parent_id in {self._children[c].parent.request_id for c in message.request_ids if c in self._children}:
             state = self._parents[parent_id]
             self.client.abort_requests(state.live_child_ids)  # NOTE: its other children may still run

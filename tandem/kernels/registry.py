@@ -64,6 +64,8 @@ LIMITS: dict[str, dict[str, int | None]] = {
     "paged_attention": _limits(16, None),
     "decoder_layer_bf16": _limits(16, None),
     **{op: _limits(_NONE, None) for op in _AVX2_ONLY_LINEAR_OPS},
+    # avx2 only for now; on avx512_bf16 models.moe.moe_grouped runs one linear_bf16 pair per expert
+    "moe_bf16": _limits(_NONE, None),
 }
 # op -> {selected variant: the variant whose kernel runs instead}, for operators the selected one lacks.
 ROUTES: dict[str, dict[str, str]] = {op: {"avx512_bf16": "avx2"} for op in _AVX2_ONLY_LINEAR_OPS}

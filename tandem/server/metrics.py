@@ -35,6 +35,21 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+# The KV connector's cumulative counters (tandem/disagg/connector.py), exported as tandem:kv_transfer_<name>.
+KV_TRANSFER_COUNTERS = {
+    "pulls": "Decode side: requests whose prompt KV was pulled from a prefill engine.",
+    "pull_failures": "Decode side: KV pulls that failed (unreachable, refused, expired lease, reused blocks).",
+    "local_prefills": "Decode side: requests prefilled here instead (prefill_failure_policy local).",
+    "prefix_hits": "Decode side: requests whose whole remote prefix was already in the local prefix cache.",
+    "bytes_received": "Decode side: KV bytes received.",
+    "pull_seconds": "Decode side: seconds spent in KV pulls.",
+    "pulls_served": "Prefill side: KV pulls served.",
+    "bytes_sent": "Prefill side: KV bytes sent.",
+    "peers_refused": "Prefill side: KV transfer peers refused (identity, secret, protocol).",
+    "pull_errors_served": "Prefill side: pulls refused (unknown or expired lease, reused blocks).",
+}
+
+
 class ServerMetrics:
     """All Prometheus series of one server, labelled with ``model_name`` and ``instance_id``.
 
@@ -76,6 +91,7 @@ class ServerMetrics:
         self.spec_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
         self.spec_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.core_restarts = counter("engine_core_restarts", "Engine-core processes restarted after a death.")
+        self.kv_transfer = {name: counter(f"kv_transfer_{name}", doc) for name, doc in KV_TRANSFER_COUNTERS.items()}
         self._spec_per_pos = Counter("tandem:spec_decode_num_accepted_tokens_per_pos",
                                      "Draft tokens accepted, by draft position (0-based).",
                                      [*labels, "position"], registry=reg)
@@ -112,6 +128,8 @@ class ServerMetrics:
         for pos, count in enumerate(stats.spec_num_accepted_tokens_per_pos):
             before = previous[pos] if pos < len(previous) else 0
             self._spec_per_pos.labels(*self.labels, str(pos)).inc(max(0, count - before))
+        for name, series in self.kv_transfer.items():
+            series.inc(max(0.0, stats.kv_transfer.get(name, 0.0) - last.kv_transfer.get(name, 0.0)))
         self._last = stats
         if num_batched_tokens > 0:
             self.iteration_tokens.observe(num_batched_tokens)

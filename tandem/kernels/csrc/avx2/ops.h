@@ -35,6 +35,9 @@ at::Tensor linear_q5_0(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::
 at::Tensor linear_q4_k(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::optional<at::Tensor> bias);
 at::Tensor linear_q6_k(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::optional<at::Tensor> bias);
 
+// moe.cpp
+at::Tensor moe_bf16(at::Tensor x, at::Tensor w13, at::Tensor w2, at::Tensor weights, at::Tensor ids);
+
 // ../decoder_layer.cpp (ISA-independent: calls the functions above)
 std::tuple<at::Tensor, at::Tensor> decoder_layer_bf16(
     at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor input_norm, at::Tensor post_norm, double eps,
