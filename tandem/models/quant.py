@@ -261,6 +261,41 @@ class QuantizedLinear(nn.Module):
         return f"in={self.in_features}, out={self.qweight.shape[0]}, method={self.method}"
 
 
+class ConcatLinear(nn.Module):
+    """A fused projection whose shards a GGUF file stores in different formats (a Q4_K_M file's q/k in Q5_0 and
+    v in Q8_0): one ``QuantizedLinear`` per run of consecutive shards sharing a format, outputs concatenated.
+
+    ``forward(x [T, K]) -> [T, sum(output_sizes)]`` in ``x``'s dtype; each part's rows as its own layer's, so
+    batch invariant wherever the parts are. ``parts[i].shard_names`` name checkpoint modules beside this one.
+    """
+
+    def __init__(self, parts: list[QuantizedLinear]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.output_sizes = [size for part in parts for size in part.output_sizes]
+        self.shard_names = tuple(name for part in parts for name in part.shard_names)
+
+    @classmethod
+    def empty(cls, formats: list[str], input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
+              shard_names: tuple[str, ...]) -> ConcatLinear:
+        """Uninitialized parts for shards ``shard_names`` (rows ``output_sizes``) stored in ``formats``.
+
+        Raises:
+            ValueError: see ``quantized_shapes``.
+        """
+        runs: list[list[int]] = []
+        for i, fmt in enumerate(formats):
+            if runs and formats[runs[-1][0]] == fmt:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        return cls([QuantizedLinear.empty(formats[run[0]], input_size, [output_sizes[i] for i in run], bias, dtype,
+                                          tuple(shard_names[i] for i in run)) for run in runs])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
 def quantize_model(model: nn.Module, method: str) -> nn.Module:
     """Replace every ``Linear`` of ``model`` with a ``QuantizedLinear`` (int4 uses int8 for the LM head).
 

@@ -4,8 +4,9 @@ A tiny random Llama (hidden 256, so K-quants fit its rows; tied LM head) is writ
 matrix in one of Q5_0 (gguf-py's quantizer), Q4_K or Q6_K (the simple quantizers below: valid blocks in
 ggml's layout, not llama.cpp's error search), as a real Q4_K_M file mixes them, then converted twice
 (codes kept; everything dequantized by gguf-py) and loaded by Tandem. Checked: the modules hold the
-file's exact bytes (Q/K rows un-permuted), float32 logits equal the dequantized path's, and the bf16
-kernel path stays within the activation-quantization bound stated in the test.
+file's exact bytes (Q/K rows un-permuted; a fused group mixing types becomes a ``ConcatLinear``), float32
+logits equal the dequantized path's, the bf16 kernel path stays within the bound stated in the test, and
+greedy tokens are the float32 model's choices.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from tandem import LLM, SamplingParams
 from tandem.kernels import registry
 from tandem.models import gguf_blocks
 from tandem.models.gguf_convert import QUANTIZED_KEY, convert_gguf
-from tandem.models.quant import QuantizedLinear
+from tandem.models.quant import ConcatLinear, QuantizedLinear
 
 PROMPT = [1, 5, 17, 42, 99, 200, 3, 7, 64, 128, 250, 311, 12, 13]
 FORMATS = {Q.Q5_0: "q5_0", Q.Q4_K: "q4_k", Q.Q6_K: "q6_k"}
-# Per layer: HF projection -> block type (each fused group in one type, so it stays one QuantizedLinear).
+# Per layer: HF projection -> block type. Layer 0's qkv mixes Q4_K and Q6_K (as Q4_K_M files mix types within
+# a fused group): a ConcatLinear of a q4_k part (q, k) and a q6_k part (v).
 PLAN = [
-    {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q4_K, "o_proj": Q.Q6_K, "gate_proj": Q.Q5_0,
+    {"q_proj": Q.Q4_K, "k_proj": Q.Q4_K, "v_proj": Q.Q6_K, "o_proj": Q.Q6_K, "gate_proj": Q.Q5_0,
      "up_proj": Q.Q5_0, "down_proj": Q.Q4_K},
     {"q_proj": Q.Q5_0, "k_proj": Q.Q5_0, "v_proj": Q.Q5_0, "o_proj": Q.Q4_K, "gate_proj": Q.Q4_K,
      "up_proj": Q.Q4_K, "down_proj": Q.Q6_K},
@@ -112,17 +114,20 @@ def test_layers_hold_the_files_codes(files):
     assert modules["model.layers.0.self_attn.q_proj"] == "q4_k" and modules["model.layers.0.mlp.up_proj"] == "q5_0"
     assert modules["model.layers.1.mlp.down_proj"] == "q6_k" and modules["lm_head"] == "q6_k"
     model = runner(kept).model
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, ConcatLinear)
+    assert isinstance(model.model.layers[1].self_attn.qkv_proj, QuantizedLinear)
     fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
              "up_proj": "gate_up_proj"}
-    offsets: dict[str, int] = {}
     for name, (blocks, qtype) in expected.items():
         if name == "model.embed_tokens.weight":
-            layer, rows = model.lm_head, 0
+            layer, shard = model.lm_head, None
         else:
-            parent, proj = name.removesuffix(".weight").rsplit(".", 1)
-            key = f"{parent}.{fused.get(proj, proj)}"
-            layer, rows = model.get_submodule(key), offsets.get(key, 0)
-            offsets[key] = rows + blocks.shape[0]
+            parent, shard = name.removesuffix(".weight").rsplit(".", 1)
+            layer = model.get_submodule(f"{parent}.{fused.get(shard, shard)}")
+        if isinstance(layer, ConcatLinear):
+            layer = next(part for part in layer.parts if shard in part.shard_names)
+        names = layer.shard_names or (shard,)
+        rows = sum(layer.output_sizes[: names.index(shard)])
         assert isinstance(layer, QuantizedLinear) and layer.method == FORMATS[qtype], name
         for part, array in split(FORMATS[qtype], blocks).items():
             actual = getattr(layer, part)[rows : rows + blocks.shape[0]]
