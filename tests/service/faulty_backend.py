@@ -106,3 +106,13 @@ class ThreadServer:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+if __name__ == "__main__":
+    # NOTE: `python faulty_backend.py PORT DELAY_S` serves the ok mode in its own process (a candidate
+    # that a drill can kill).
+    import sys
+
+    backend = FaultyBackend()
+    backend.delay_s = float(sys.argv[2])
+    uvicorn.run(backend.app, host="127.0.0.1", port=int(sys.argv[1]), log_level="error")

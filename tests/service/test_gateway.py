@@ -30,8 +30,9 @@ def servers(stories_dir, tmp_path_factory):
     candidate = Server(stories_dir, logs / "candidate.log", "--api-key", CANDIDATE_KEY, "--served-model-name",
                        "stories-next", "--max-model-len", "256")
     try:
-        primary.wait_healthy()
-        candidate.wait_healthy()
+        # NOTE: on a loaded 2-core machine the front ends take minutes to import; the default 120 s is short
+        primary.wait_healthy(300)
+        candidate.wait_healthy(300)
         yield primary, candidate
     finally:
         primary.stop()
@@ -249,3 +250,50 @@ def test_status_page_renders_weights_in_headless_chromium(faulty, tmp_path):
     # the live refresh ran in the browser and redrew one row per backend
     assert "refreshed live at 20" in dom and "rendered by the server" not in dom
     assert dom.count("<tr><td>primary</td><td>closed</td>") == 1 and dom.count("<tr><td>candidate</td>") == 1
+
+
+def test_drill_measures_fallback_when_the_candidate_is_killed(servers, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from live_server import free_port
+
+    from tandem.cli import main
+    from tandem.gateway.drill import DrillConfig, run_drill
+
+    port = free_port()
+    script = Path(__file__).with_name("faulty_backend.py")
+    candidate = subprocess.Popen([sys.executable, str(script), str(port), "0.1"])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.get(f"{url}/v1/models", timeout=1)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline and candidate.poll() is None
+                time.sleep(0.1)
+        config = _config(servers[0].url, BackendConfig("candidate", url, FAULTY_KEY, {"stories": "faulty"}),
+                         canary=CanaryConfig(weight=1.0), fallback=FallbackConfig(breaker_failures=2))
+        with Running(config) as gw:
+            assert main(["drill", "--gateway", gw.url, "--candidate-stop", "true", "--dry-run"]) == 0
+            report = run_drill(DrillConfig(gateway=gw.url, stop_command=f"kill -9 {candidate.pid}", model="stories",
+                                           api_key=GW_KEY, rate=20, warmup_s=1.0, observe_s=1.5, max_tokens=3))
+    finally:
+        candidate.kill()
+        candidate.wait()
+    assert report["stop_exit_code"] == 0
+    # NOTE: requests still waiting for their first byte at the kill fell back to the primary
+    assert report["before_stop"]["served_by"]["candidate"] >= 1
+    assert report["recovered"] and 0 <= report["fallback_time_s"] < 1.5
+    assert report["after_stop"]["lost"] == 0 and report["after_stop"]["served_by"] == {
+        "primary": report["after_stop"]["requests"]}
+    flight = report["in_flight_at_stop"]
+    # a killed backend's streams end with the gateway's error event; none is left hanging
+    assert flight["count"] >= 1 and flight["completed"] + flight["ended_with_error_event"] == flight["count"]
+    assert report["requests_lost"] == report["before_stop"]["lost"] == flight["ended_with_error_event"]
+    cont = report["continuity"]
+    assert cont["scrape_failures"] == 0 and cont["requests_counter_monotonic"] and cont["event_log_gaps"] == []
+    assert "candidate: closed -> open" in [e["message"] for e in cont["events"]]
