@@ -126,7 +126,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     a = Side("a", args.a, args.api_key_a, args.model_a)
     b = Side("b", args.b, args.api_key_b, args.model_b)
     try:
-        report = run_compare(a, b, lambda n, per: user_cases or builtin_cases(n or args.max_model_len, per),
+        report = run_compare(a, b, lambda n, per, top: user_cases or builtin_cases(n or args.max_model_len, per, top),
                              args.timeout)
     except httpx.HTTPError as e:
         raise ValueError(f"a server did not answer: {e}") from e

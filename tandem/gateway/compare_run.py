@@ -128,8 +128,9 @@ async def run_cases(a: Side, b: Side, cases: list[Case], timeout_s: float) -> di
 
 
 def run_compare(a: Side, b: Side, cases_fn, timeout_s: float = 120.0) -> dict[str, Any]:
-    """Probes both sides (model names, context limit), builds the cases with `cases_fn(max_model_len,
-    tokens_per_filler)` and runs them. Raises httpx.HTTPError when a side is unreachable."""
+    """Probes both sides (model names, context limits), builds the cases with `cases_fn(smallest
+    max_model_len, tokens_per_filler, largest max_model_len)` and runs them. Raises httpx.HTTPError
+    when a side is unreachable."""
 
     async def main() -> dict[str, Any]:
         async with httpx.AsyncClient(timeout=30) as client:
@@ -137,7 +138,8 @@ def run_compare(a: Side, b: Side, cases_fn, timeout_s: float = 120.0) -> dict[st
             model_b, len_b, _ = await probe(client, b)
         sides = (Side(a.label, a.url, a.api_key, model_a), Side(b.label, b.url, b.api_key, model_b))
         limits = [n for n in (len_a, len_b) if n]
-        report = await run_cases(*sides, cases_fn(min(limits) if limits else None, per_a), timeout_s)
+        smallest, largest = (min(limits), max(limits)) if limits else (None, None)
+        report = await run_cases(*sides, cases_fn(smallest, per_a, largest), timeout_s)
         report["max_model_len"] = {"a": len_a, "b": len_b}
         return report
 

@@ -42,8 +42,11 @@ def _chat(content: str, **kw: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": content}], **kw}
 
 
-def builtin_cases(max_model_len: int | None, tokens_per_filler: float | None) -> list[Case]:
-    """The built-in set; the long-input cases only when the context limit is known."""
+def builtin_cases(max_model_len: int | None, tokens_per_filler: float | None,
+                  largest_model_len: int | None = None) -> list[Case]:
+    """The built-in set; the long-input cases only when the context limit is known. max_model_len:
+    the smaller side's limit (the near-limit input must fit both); largest_model_len: the larger
+    one (the over-limit input must exceed both; default max_model_len)."""
     greedy = {"temperature": 0, "max_tokens": 8}
     cases = [
         Case("stop_length", "completions", {"prompt": "Once upon a time", **greedy}),
@@ -81,9 +84,10 @@ def builtin_cases(max_model_len: int | None, tokens_per_filler: float | None) ->
         cases.append(Case("long_input_near_limit", "completions",
                           {"prompt": FILLER * max(1, fit - 2), "temperature": 0, "max_tokens": 4},
                           notes=f"about {max_model_len - 16} of {max_model_len} tokens"))
-        over = int(max_model_len * 1.5 / tokens_per_filler) + 1
+        largest = max(largest_model_len or 0, max_model_len)
+        over = int(largest * 1.5 / tokens_per_filler) + 1
         cases.append(Case("fail_input_over_limit", "completions", {"prompt": FILLER * over, "max_tokens": 4},
-                          expect_status=400, notes=f"about {int(max_model_len * 1.5)} tokens"))
+                          expect_status=400, notes=f"about {int(largest * 1.5)} tokens"))
     return cases
 
 

@@ -280,7 +280,7 @@ def test_drill_measures_fallback_when_the_candidate_is_killed(servers, tmp_path)
         with Running(config) as gw:
             assert main(["drill", "--gateway", gw.url, "--candidate-stop", "true", "--dry-run"]) == 0
             report = run_drill(DrillConfig(gateway=gw.url, stop_command=f"kill -9 {candidate.pid}", model="stories",
-                                           api_key=GW_KEY, rate=20, warmup_s=1.0, observe_s=1.5, max_tokens=3))
+                                           api_key=GW_KEY, rate=10, warmup_s=1.0, observe_s=1.5, max_tokens=2))
     finally:
         candidate.kill()
         candidate.wait()
@@ -297,3 +297,41 @@ def test_drill_measures_fallback_when_the_candidate_is_killed(servers, tmp_path)
     cont = report["continuity"]
     assert cont["scrape_failures"] == 0 and cont["requests_counter_monotonic"] and cont["event_log_gaps"] == []
     assert "candidate: closed -> open" in [e["message"] for e in cont["events"]]
+
+
+def test_compare_builtin_set_between_two_tandem_servers(servers, tmp_path):
+    from tandem.cli import main
+
+    out = tmp_path / "report"
+    code = main(["compare", "--a", servers[0].url, "--api-key-a", PRIMARY_KEY, "--b", servers[1].url,
+                 "--api-key-b", CANDIDATE_KEY, "--output-dir", str(out)])
+    report = json.loads((out / "compare.json").read_text())
+    assert (report["a"]["model"], report["b"]["model"]) == ("stories", "stories-next")
+    assert report["max_model_len"] == {"a": 512, "b": 256}
+    cases = {c["name"]: c for c in report["cases"]}
+    assert {"stop_string", "streaming_split", "tool_call", "json_schema", "long_input_near_limit", "empty_prompt",
+            "unicode", "n2_seeded", "logprobs", "fail_input_over_limit"} <= set(cases)
+    for c in report["cases"]:
+        if c["expect_status"] is not None:
+            assert c["a"]["status"] == c["b"]["status"] == c["expect_status"], c["name"]
+    assert cases["long_input_near_limit"]["b"]["status"] == 200  # sized for the smaller limit (256)
+    assert cases["logprobs"]["a"]["status"] == 200 and len(cases["n2_seeded"]["a"]["texts"]) == 2
+    # same weights, greedy or seeded: no difference, no noise, every check passed
+    assert report["summary"]["diverged_rate"] == 0 and report["summary"]["noise_rate"] == 0
+    assert report["summary"]["failed_checks"] == 0 and code == 0
+    assert "<table>" in (out / "compare.html").read_text() and "| stop_string | 200 | 200 |" in (
+        out / "compare.md").read_text()
+    assert PRIMARY_KEY not in (out / "compare.json").read_text()
+
+
+def test_compare_reports_a_planted_difference(servers, faulty, tmp_path):
+    from tandem.cli import main
+
+    prompts = tmp_path / "cases.jsonl"
+    prompts.write_text('{"name": "story", "prompt": "Once upon a time", "max_tokens": 3}\n')
+    code = main(["compare", "--a", servers[0].url, "--api-key-a", PRIMARY_KEY, "--b", faulty.url,
+                 "--prompts", str(prompts), "--output-dir", str(tmp_path / "r")])
+    report = json.loads((tmp_path / "r" / "compare.json").read_text())
+    # the scripted backend's text and prompt token count are not stories260K's
+    assert code == 1 and [d["tier"] for d in report["cases"][0]["diffs_beyond_noise"]] == ["text", "usage"]
+    assert report["summary"]["tiers"]["text"] == {"divergence_rate": 1.0, "noise_rate": 0.0, "beyond_noise_rate": 1.0}
