@@ -202,6 +202,7 @@ def run_router(config: RouterConfig, log_level: str = "info") -> int:
     """Serves the router until interrupted (uvicorn on ``config.host:config.port``)."""
     import uvicorn
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # NOTE: not a line per proxied request
     uvicorn.run(build_app(RouterService(config)), host=config.host, port=config.port,
                 log_level=log_level.lower(), timeout_graceful_shutdown=5)
     return 0
