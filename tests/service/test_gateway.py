@@ -31,8 +31,8 @@ def servers(stories_dir, tmp_path_factory):
                        "stories-next", "--max-model-len", "256")
     try:
         # NOTE: on a loaded 2-core machine the front ends take minutes to import; the default 120 s is short
-        primary.wait_healthy(300)
-        candidate.wait_healthy(300)
+        primary.wait_healthy(600)
+        candidate.wait_healthy(600)
         yield primary, candidate
     finally:
         primary.stop()
@@ -182,6 +182,21 @@ def test_breaker_opens_and_half_open_probe_closes(servers, faulty):
         kinds = [e["message"] for e in gw_state.status()["events"] if e["kind"] == "breaker"]
         assert kinds == ["candidate: closed -> open", "candidate: open -> half_open"] or \
             kinds[-1] == "candidate: half_open -> closed"
+
+
+def test_no_first_byte_in_time_falls_back_within_the_retry_budget(servers, faulty):
+    faulty.mode = "stall"
+    config = _config(servers[0].url, _faulty_candidate(faulty), canary=CanaryConfig(weight=1.0),
+                     fallback=FallbackConfig(first_byte_timeout_s=0.3, retry_ratio=0.0, min_retries=1))
+    with Running(config) as gw:
+        assert gw.complete()[0] == "primary"  # the stalled candidate timed out before its first byte
+        with pytest.raises(openai.APIStatusError) as e:  # the budget (1 retry) is spent: no second fallback
+            gw.complete()
+        assert e.value.status_code == 504 and e.value.body["code"] == "timeout"
+        m = metric_samples(gw.url)
+        assert m[("tandem_gateway_attempt_failures_total", (("backend", "candidate"), ("reason", "timeout")))] == 2
+        assert m[("tandem_gateway_retry_budget_exhausted_total", ())] == 1
+        faulty.release_shadows()
 
 
 @pytest.mark.parametrize("fault", ["error", "slow"])
