@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 # A seed must fit torch.Generator.manual_seed (int64); n > 1 children use seed + i, wrapped (see child_seed).
@@ -17,6 +18,55 @@ def _is_int(value: object) -> bool:
 def child_seed(seed: int, index: int) -> int:
     """The seed of child ``index`` of an ``n > 1`` request: seed + index, wrapped into the int64 range."""
     return (seed + index - SEED_MIN) % 2**64 + SEED_MIN
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the completion's text (vLLM's ``StructuredOutputsParams``, same field names).
+
+    Exactly one of ``json`` (a JSON schema, as a dict or its JSON text), ``regex``, ``choice`` (the
+    completion is one of these strings), ``grammar`` (Lark or GBNF) or ``json_object`` (any JSON
+    object) is set. ``disable_any_whitespace`` (vLLM) forbids whitespace between JSON tokens; by
+    default one space, or a newline and up to 16 spaces or tabs, may separate them (pretty-printed
+    JSON fits, and a weak model cannot pad with whitespace until ``max_tokens``). The grammar engine
+    (llguidance) masks the logits so that only tokens keeping the text a prefix of the language can
+    be sampled; generation stops when the text is complete. A schema keyword it cannot honour is
+    refused at the edge (never relaxed).
+
+    Raises:
+        SamplingParamsError: none or several constraints, or a value of the wrong type.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise SamplingParamsError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, json_object; got "
+                f"{', '.join(kinds) or 'none'}", "structured_outputs")
+        checks = {"json": (str, dict), "regex": str, "grammar": str, "choice": list}
+        for name, types in checks.items():
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, types):
+                raise SamplingParamsError(f"structured_outputs.{name} has the wrong type", f"structured_outputs.{name}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise SamplingParamsError("structured_outputs.choice must be a non-empty list of non-empty strings",
+                                      "structured_outputs.choice")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
 
 
 @dataclass
@@ -37,6 +87,8 @@ class SamplingParams:
     - ``stop`` strings are cut from the text (unless ``include_stop_str_in_output``).
     - ``priority`` orders admission when the scheduler's policy is "priority": lower values first,
       ties by arrival time (vLLM semantics); ignored under "fcfs".
+    - ``structured_outputs`` constrains the text to a JSON schema, regex, choice or grammar
+      (``StructuredOutputsParams``); a request waits for its grammar to compile before it runs.
     - ``speculative`` (Tandem only) False runs this request without drafts when the engine speculates;
       the output distribution is the same either way, only the speed differs.
 
@@ -64,12 +116,18 @@ class SamplingParams:
     skip_special_tokens: bool = True
     priority: int = 0
     speculative: bool = True  # Tandem: False opts this request out of the engine's speculative decoding
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise SamplingParamsError(f"structured_outputs: {e}", "structured_outputs") from None
         self._check_types()
         if self.top_k == -1:
             self.top_k = 0

@@ -104,6 +104,7 @@ class EngineCore:
         self.num_blocks = self.scheduler.kv_cache_manager.num_blocks
         self.max_model_len = min(self.runner.max_model_len, self.scheduler.max_model_len)
         self._last_check = float("-inf")
+        self.stalled = False  # the last step scheduled nothing (e.g. every waiting grammar is compiling)
         logger.info(
             "engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens), max_model_len %d",
             time.monotonic() - t0, self.num_blocks, self.scheduler.block_size,
@@ -116,7 +117,9 @@ class EngineCore:
         return self.scheduler.num_steps
 
     def add_request(self, request: Request) -> None:
-        """Queues ``request`` for scheduling (changes the scheduler's waiting queue).
+        """Queues ``request`` for scheduling (changes the scheduler's waiting queue). A request with
+        structured output starts compiling its grammar in the runner's compile thread and waits
+        (``Request.ready_check``) until it is built; the scheduler skips it meanwhile.
 
         Raises:
             DuplicateRequestError: the id is already queued or running (``tandem.errors``).
@@ -124,6 +127,9 @@ class EngineCore:
             ValueError: the request can never fit in the KV cache.
         """
         self.scheduler.add_request(request)
+        if request.sampling_params.structured_outputs is not None:
+            request.ready_check = self.runner.prepare_grammar(
+                request.request_id, request.sampling_params, request.eos_token_ids)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Stops these requests and frees their KV blocks at once; unknown ids are ignored."""
@@ -143,6 +149,7 @@ class EngineCore:
         self.scheduler.kv_cache_manager.expire_leases()
         scheduler_output = self.scheduler.schedule()
         runner_output = self._execute(scheduler_output)
+        self.stalled = scheduler_output.is_empty
         if scheduler_output.is_empty:
             if not self.scheduler.has_unfinished_requests():
                 self.on_idle()

@@ -30,6 +30,7 @@ from tandem.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+STALLED_POLL_MS = 1  # how often a core whose waiting requests are not ready looks for new input
 IDLE_POLL_MS = 500  # how often an idle core checks that its parent is still alive
 
 
@@ -174,7 +175,9 @@ class EngineCoreProc:
         """Loops until ``Shutdown`` or the parent's death. Changes: the engine's queues and cache."""
         while True:
             busy = self.core.has_unfinished_requests()
-            handled, stop = self.drain_inputs(0 if busy else IDLE_POLL_MS)
+            # NOTE: requests that are not ready (a grammar compiling) leave nothing to run: poll, do not spin.
+            stalled = getattr(self.core, "stalled", False)  # NOTE: test doubles of the core may not say
+            handled, stop = self.drain_inputs((STALLED_POLL_MS if stalled else 0) if busy else IDLE_POLL_MS)
             if stop or os.getppid() != self.parent_pid:
                 return
             if self.core.has_unfinished_requests():

@@ -148,6 +148,19 @@ class InputProcessor:
         self.chat_template = chat_template
         self.max_prompt_chars = max_prompt_chars(tokenizer, max_model_len)
 
+    def check_structured_outputs(self, params: SamplingParams, param: str = "structured_outputs") -> None:
+        """Refuses a constraint the grammar engine cannot enforce (about a millisecond for a schema).
+
+        Raises:
+            SamplingParamsError: an unimplemented JSON-schema keyword (named in the message), an invalid
+                schema, regex or grammar; ``param`` is the request field to name.
+        """
+        if params.structured_outputs is None:
+            return
+        from tandem.structured_outputs import check_grammar
+
+        check_grammar(params.structured_outputs, None, param)
+
     def check_prompt_chars(self, text: str, param: str = "prompt") -> None:
         """Refuses, before tokenizing, a text too long to fit the context whatever its tokens.
 

@@ -1,10 +1,12 @@
 """OpenAI request and response schemas (pydantic), following the OpenAI API reference.
 
 Requests accept the OpenAI fields plus vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``request_id``); unknown fields are ignored, as
-OpenAI and vLLM do. Fields that Tandem knows but cannot honour (``logit_bias``, ``suffix``,
-``best_of``, tools, ``tool_choice``, ``parallel_tool_calls``, JSON modes, vLLM's ``guided_*``
-structured output) are refused with a 400 naming the field instead of being silently dropped.
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``request_id``, ``structured_outputs``); unknown
+fields are ignored, as OpenAI and vLLM do. Structured output comes from OpenAI's ``response_format``
+(``json_object``, ``json_schema``) or vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``,
+``grammar``, ``json_object``) on both endpoints. Fields that Tandem knows but cannot honour
+(``logit_bias``, ``suffix``, ``best_of``, ``parallel_tool_calls``, vLLM's older ``guided_*`` fields)
+are refused with a 400 naming the field instead of being silently dropped.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
 from pydantic_core import PydanticCustomError
 
 from tandem.outputs import PositionLogprobs
-from tandem.sampling_params import SamplingParams, SamplingParamsError
+from tandem.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
+from tandem.structured_outputs import check_grammar
 
 # Integer bounds, checked before anything reaches msgpack (64-bit) or torch. Lower bounds of n,
 # max_tokens and min_tokens are SamplingParams' (its messages); these add what keeps values encodable.
@@ -30,7 +33,7 @@ BoundedTokenId = Annotated[int, Strict(), Field(ge=0, le=INT32_MAX)]
 TokenCount = Annotated[int, Field(le=INT32_MAX)]
 # Fields of both endpoints that Tandem knows and does not honour: a non-null value is a 400 naming it.
 UNSUPPORTED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-                      "structured_outputs", "prompt_logprobs", "allowed_token_ids", "bad_words", "logits_processors")
+                      "prompt_logprobs", "allowed_token_ids", "bad_words", "logits_processors")
 
 
 def _first_lone_surrogate(value: Any) -> str | None:
@@ -76,6 +79,39 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    """``response_format.json_schema``: the schema is enforced whether ``strict`` is true or not (a
+    keyword the grammar engine cannot honour is a 400 either way, never a relaxation)."""
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        """The constraint of this format (None for ``text``).
+
+        Raises:
+            SamplingParamsError: an unknown type, or ``json_schema`` without a schema (param ``response_format``).
+        """
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.json_schema is None:
+                raise SamplingParamsError("response_format of type 'json_schema' needs json_schema.schema",
+                                          "response_format")
+            return StructuredOutputsParams(json=self.json_schema.json_schema)
+        raise SamplingParamsError(f"response_format type must be 'text', 'json_object' or 'json_schema', got "
+                                  f"{self.type!r}", "response_format")
+
+
 class SamplingRequest(OpenAIModel):
     """Fields shared by completions and chat completions."""
 
@@ -101,13 +137,14 @@ class SamplingRequest(OpenAIModel):
     user: str | None = None
     request_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")] | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
     # NOTE: known fields Tandem does not honour yet: a non-null value is refused (400, param = the field).
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
     guided_decoding_backend: Any = None
-    structured_outputs: Any = None
     prompt_logprobs: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
@@ -118,6 +155,22 @@ class SamplingRequest(OpenAIModel):
         for name in names:
             if getattr(self, name) is not None:
                 raise SamplingParamsError(f"{name} is not supported", name)
+
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str]:
+        """The request's constraint and the field it came from (``response_format`` or ``structured_outputs``).
+
+        Raises:
+            SamplingParamsError: both fields set, or an invalid constraint (before the grammar check).
+        """
+        fmt = self.response_format.structured_outputs() if self.response_format is not None else None
+        if self.structured_outputs is None:
+            return fmt, "response_format"
+        if fmt is not None:
+            raise SamplingParamsError("give response_format or structured_outputs, not both", "structured_outputs")
+        try:
+            return StructuredOutputsParams(**self.structured_outputs), "structured_outputs"
+        except TypeError as e:
+            raise SamplingParamsError(f"structured_outputs: {e}", "structured_outputs") from None
 
     @property
     def include_usage(self) -> bool:
@@ -145,6 +198,10 @@ class SamplingRequest(OpenAIModel):
             "presence_penalty": self.presence_penalty or 0.0,
             "frequency_penalty": self.frequency_penalty or 0.0,
         }
+        structured, param = self.structured_outputs_params()
+        if structured is not None:
+            check_grammar(structured, None, param)  # NOTE: ~1 ms for a schema, cached by grammar text
+            changes["structured_outputs"] = structured
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:
                 changes[name] = getattr(self, name)
@@ -202,10 +259,6 @@ class ChatMessage(OpenAIModel):
         return {"role": role, "content": text}
 
 
-class ResponseFormat(OpenAIModel):
-    type: str
-
-
 class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``."""
 
@@ -213,7 +266,6 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: TokenCount | None = None
-    response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -225,10 +277,6 @@ class ChatCompletionRequest(SamplingRequest):
 
     def sampling_params(self, defaults: SamplingParams) -> SamplingParams:
         """Raises: SamplingParamsError on unsupported fields or out-of-range values."""
-        if self.response_format is not None and self.response_format.type != "text":
-            kind = self.response_format.type
-            message = f"response_format of type {kind!r} is not supported yet"
-            raise SamplingParamsError(message, "response_format")
         if self.tools:
             raise SamplingParamsError("tools are not supported", "tools")
         if self.tool_choice is not None and self.tool_choice != "none":

@@ -199,7 +199,7 @@ def test_retrieve_model_and_head_health(server):
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
      "tools are not supported"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format",
-     "response_format of type 'json_schema' is not supported yet"),
+     "response_format of type 'json_schema' needs json_schema.schema"),
 ])
 def test_fields_tandem_does_not_honour_are_refused(server, path, body, param, message):
     base = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
