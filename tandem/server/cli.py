@@ -38,7 +38,7 @@ def add_serve_parser(
     ``ServerConfig`` field."""
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     # NOTE: the engine core has a process of its own here, so its threads are pinned by default.
-    add_engine_args(p, cpu_bind_default="auto")
+    add_engine_args(p, cpu_bind_default="auto", kv_events=True)
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="names the API answers to (default: the --model value)")
     p.add_argument("--host", default="127.0.0.1")
@@ -150,7 +150,7 @@ def _refuse_engine_flags(args: argparse.Namespace) -> None:
     from tandem.cli import add_engine_args
 
     probe = argparse.ArgumentParser(add_help=False)
-    add_engine_args(probe, cpu_bind_default="auto")
+    add_engine_args(probe, cpu_bind_default="auto", kv_events=True)
     given = [a.option_strings[0] for a in probe._actions if a.dest not in _REMOTE_ENGINE_FLAGS
              and a.option_strings and getattr(args, a.dest, a.default) != a.default]
     if given:

@@ -1,0 +1,256 @@
+"""The router's forwarding against scripted fake backends (httpx.MockTransport; no model, no sockets
+except the KV-event test's loopback ZeroMQ)."""
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from tandem.kv_cache.events import BlockStored, KVEventBatch, KVEventPublisher, hash_to_bytes
+from tandem.kv_cache.hashing import hash_token_blocks
+from tandem.router.app import RouterService, build_app
+from tandem.router.config import RouterConfig
+from tandem.router.health import HealthState
+from tandem.router.kv_index import EventBlockIndex
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+A, B, C = "http://a:1", "http://b:1", "http://c:1"
+BODY = {"model": "m", "prompt": "hello world, a prompt of some length", "max_tokens": 4}
+SSE = [b'data: {"choices":[{"text":"x"}]}\n\n', b'data: {"choices":[{"text":"y"}]}\n\n', b"data: [DONE]\n\n"]
+
+
+class CharTokenizer:
+    """One token per character; the chat template joins the contents."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def apply_chat_template(self, messages, chat_template=None, tokenize=False, add_generation_prompt=True):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+class Stream(httpx.AsyncByteStream):
+    def __init__(self, chunks, fail=False):
+        self.chunks, self.fail = chunks, fail
+
+    async def __aiter__(self):
+        for c in self.chunks:
+            yield c
+        if self.fail:
+            raise httpx.ReadError("backend died mid-stream")
+
+
+class Fakes:
+    """Scripted backends: ``script[url]`` is called with the request and returns a Response or raises."""
+
+    def __init__(self, **load):
+        self.calls: list[tuple[str, str]] = []
+        self.script = {}
+        self.load = load
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        self.calls.append((base, request.url.path))
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        if request.url.path == "/load":
+            return httpx.Response(200, json=self.load.get(base)) if base in self.load else httpx.Response(404)
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "root": None}]})
+        result = self.script[base](request)
+        return await result if asyncio.iscoroutine(result) else result
+
+    def posts(self, base=None):
+        return [b for b, p in self.calls if p.startswith("/v1/") and p != "/v1/models" and (base in (None, b))]
+
+
+def ok(request):
+    return httpx.Response(200, json={"echo": json.loads(request.content), "auth": request.headers.get("authorization")},
+                          headers={"x-backend": request.url.host})
+
+
+def refuse(request):
+    raise httpx.ConnectError("connection refused", request=request)
+
+
+async def _start(fakes, *backends, **kw):
+    kw.setdefault("policy", "least-load")
+    config = RouterConfig(backends=backends, health_interval_s=3600.0, **kw)
+    service = RouterService(config, tokenizer=CharTokenizer(), transport=httpx.MockTransport(fakes.handle))
+    await service.start()
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(service)), base_url="http://router")
+    return service, client
+
+
+async def _stop(service, client):
+    await client.aclose()
+    await service.stop()
+
+
+async def test_bodies_and_headers_pass_through_and_a_connect_error_is_retried_once():
+    fakes = Fakes()
+    fakes.script = {A: refuse, B: ok}
+    service, client = await _start(fakes, A, B)
+    r = await client.post("/v1/completions", json=BODY, headers={"Authorization": "Bearer k"})
+    assert r.status_code == 200 and r.headers["x-backend"] == "b"
+    assert r.json() == {"echo": BODY, "auth": "Bearer k"}
+    assert fakes.posts() == [A, B]
+    assert service.backends[0].health.state is HealthState.EJECTED
+    r = await client.post("/v1/completions", json=BODY)  # the ejected one is not tried again
+    assert r.status_code == 200 and fakes.posts() == [A, B, B]
+    metrics = (await client.get("/metrics")).text
+    assert 'tandem_router:ejections_total{backend="http://a:1"} 1.0' in metrics
+    assert "tandem_router:retries_total 1.0" in metrics
+    assert 'tandem_router:errors_total{backend="http://a:1",kind="connect"} 1.0' in metrics
+    assert 'tandem_router:requests_total{backend="http://b:1"} 2.0' in metrics
+    info = (await client.get("/backends")).json()["backends"]
+    assert [(x["url"], x["state"], x["outstanding_requests"]) for x in info] == [
+        (A, "ejected", 0), (B, "healthy", 0)]
+    await _stop(service, client)
+
+
+async def test_5xx_is_retried_once_then_relayed_as_is():
+    fakes = Fakes()
+    fakes.script = {u: (lambda r, u=u: httpx.Response(500, json={"error": {"message": f"boom {u}"}}))
+                    for u in (A, B, C)}
+    service, client = await _start(fakes, A, B, C, policy="round-robin")
+    r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 500 and r.json() == {"error": {"message": f"boom {B}"}}
+    assert fakes.posts() == [A, B]  # one retry, not a third attempt
+    assert all(b.health.consecutive_5xx == 1 for b in service.backends[:2])
+    await _stop(service, client)
+
+
+async def test_no_retry_once_the_first_byte_went_out():
+    fakes = Fakes()
+    fakes.script = {A: lambda r: httpx.Response(200, stream=Stream(SSE[:1], fail=True),
+                                                headers={"content-type": "text/event-stream"}),
+                    B: ok}
+    service, client = await _start(fakes, A, B)
+    # NOTE: ASGITransport buffers the body, so the client sees the broken stream as the error alone
+    with pytest.raises(httpx.ReadError, match="mid-stream"):
+        await client.post("/v1/completions", json={**BODY, "stream": True})
+    assert fakes.posts() == [A]
+    assert service.backends[0].health.state is HealthState.EJECTED
+    assert service.backends[0].state.outstanding_requests == 0
+    await _stop(service, client)
+
+
+async def test_sse_passes_through_byte_for_byte():
+    fakes = Fakes()
+    fakes.script = {A: lambda r: httpx.Response(200, stream=Stream(SSE), headers={"content-type": "text/event-stream"})}
+    service, client = await _start(fakes, A)
+    async with client.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as r:
+        body = b"".join([c async for c in r.aiter_raw()])
+        assert r.headers["content-type"] == "text/event-stream"
+    assert body == b"".join(SSE)
+    assert service.backends[0].state.outstanding_requests == 0
+    await _stop(service, client)
+
+
+async def test_backend_429s_pass_through_then_the_router_answers_429_itself():
+    fakes = Fakes()
+    busy = {"error": {"message": "queue full", "code": "queue_full"}}
+    fakes.script = {u: (lambda r: httpx.Response(429, json=busy, headers={"Retry-After": "3"})) for u in (A, B)}
+    service, client = await _start(fakes, A, B)
+    r = await client.post("/v1/completions", json=BODY)
+    assert (r.status_code, r.json(), r.headers["retry-after"]) == (429, busy, "3")
+    assert fakes.posts() == [A, B]
+    t0 = time.monotonic()
+    r = await client.post("/v1/completions", json=BODY)  # both still busy: not even tried
+    assert time.monotonic() - t0 < 1.0 and fakes.posts() == [A, B]
+    assert r.status_code == 429 and r.json()["error"]["code"] == "all_backends_busy"
+    assert int(r.headers["retry-after"]) in (2, 3)
+    assert all(b.health.state is HealthState.HEALTHY for b in service.backends)  # busy is not sick
+    await _stop(service, client)
+
+
+async def test_router_cap_answers_429_without_waiting_and_503_without_healthy_backends():
+    fakes = Fakes()
+    release = asyncio.Event()
+
+    async def slow(request):
+        await release.wait()
+        return ok(request)
+
+    fakes.script = {A: slow, B: slow}
+    service, client = await _start(fakes, A, B, max_outstanding_per_backend=1)
+    held = [asyncio.create_task(client.post("/v1/completions", json=BODY)) for _ in range(2)]
+    while len(fakes.posts()) < 2:
+        await asyncio.sleep(0.01)
+    r = await asyncio.wait_for(client.post("/v1/completions", json=BODY), 5.0)
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"] == {"message": "every backend is at its limit; retry later", "type": "rate_limit_error",
+                                 "param": None, "code": "all_backends_busy"}
+    release.set()
+    assert [x.status_code for x in await asyncio.gather(*held)] == [200, 200]
+    assert sorted(fakes.posts()) == [A, B]
+    for b in service.backends:
+        b.health.eject("test")
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_backend" and r.headers["retry-after"]
+    assert (await client.get("/health")).status_code == 503
+    await _stop(service, client)
+
+
+async def test_kv_aware_keeps_a_shared_prefix_on_one_backend_without_events():
+    fakes = Fakes()
+    fakes.script = {A: ok, B: ok}
+    service, client = await _start(fakes, A, B, policy="kv-aware", block_size=4)
+    system = {"role": "system", "content": "a long shared system prompt " * 4}
+    tok, hashes = CharTokenizer(), []
+    for q in ("one?", "two?", "three?"):
+        messages = [system, {"role": "user", "content": q}]
+        r = await client.post("/v1/chat/completions", json={"messages": messages})
+        assert r.status_code == 200
+        hashes.append(hash_token_blocks(tok(tok.apply_chat_template(messages))["input_ids"], 4))
+    shared = len(set(hashes[0]) & set(hashes[1]) & set(hashes[2]))
+    other = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "unrelated"}]})
+    assert other.status_code == 200
+    first = fakes.posts()[0]
+    assert fakes.posts()[:3] == [first] * 3
+    info = {x["url"]: x for x in (await client.get("/backends")).json()["backends"]}
+    assert info[first]["index"] == "approximate"
+    unrelated = hash_token_blocks(tok(tok.apply_chat_template([{"role": "user", "content": "unrelated"}]))[
+        "input_ids"], 4)
+    total = sum(map(len, hashes)) + (len(unrelated) if fakes.posts()[3] == first else 0)
+    assert info[first]["routed_prefix_hit_rate"] == pytest.approx(2 * shared / total)
+    await _stop(service, client)
+
+
+async def test_kv_events_found_in_load_feed_the_index():
+    publisher = KVEventPublisher("tcp://127.0.0.1:*", topic="kv")
+    port = publisher.endpoint.rsplit(":", 1)[1]
+    fakes = Fakes(**{A: {"block_size": 4, "num_kv_blocks": 64,
+                         "kv_events": {"endpoint": f"tcp://*:{port}", "topic": "kv"}}})
+    fakes.script = {A: ok, B: ok}
+    service, client = await _start(fakes, A, B, policy="kv-aware")
+    a = service.backends[0]
+    assert isinstance(a.state.index, EventBlockIndex) and service.router.reader.block_size == 4
+    assert a.subscriber.endpoint == f"tcp://a:{port}"  # the wildcard host is the backend's host
+    # NOTE: the test's publisher is on loopback; point the subscriber there (ZeroMQ's slow joiner: resend)
+    await a.subscriber.close()
+    a.subscriber.endpoint = publisher.endpoint
+    a.subscriber.start()
+    hashes = hash_token_blocks([ord(c) for c in BODY["prompt"]], 4)
+    batch = KVEventBatch(ts=0.0, events=[BlockStored([hash_to_bytes(h) for h in hashes], 4)])
+    for _ in range(200):
+        publisher.publish(batch)
+        await asyncio.sleep(0.01)
+        if a.subscriber.received:
+            break
+    assert a.state.index.blocks == set(hashes)
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status_code == 200 and fakes.posts() == [A]
+    assert a.describe(None)["kv_events"]["received"] >= 1
+    await _stop(service, client)
+    publisher.close()
