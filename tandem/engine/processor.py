@@ -209,9 +209,10 @@ class InputProcessor:
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-        chat_template: str | None = None,
+        chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Renders chat ``messages`` with the model's chat template (or ``chat_template``) into text.
+        """Renders chat ``messages`` with the model's chat template (or ``chat_template``) into text;
+        ``tools`` (OpenAI function specs) are handed to the template as transformers does.
 
         Raises:
             PromptError: no template, or the template fails on these messages.
@@ -224,7 +225,7 @@ class InputProcessor:
         try:
             return self.tokenizer.apply_chat_template(
                 messages, chat_template=template, tokenize=False,
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt=add_generation_prompt, tools=tools,
             )
         except Exception as e:  # NOTE: Jinja raises many types; all are the user's template/message problem.
             raise PromptError(f"the chat template failed on these messages: {e}", "messages") from e

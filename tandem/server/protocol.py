@@ -5,12 +5,13 @@ Requests accept the OpenAI fields plus vLLM's extras (``top_k``, ``min_p``, ``re
 fields are ignored, as OpenAI and vLLM do. Structured output comes from OpenAI's ``response_format``
 (``json_object``, ``json_schema``) or vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``,
 ``grammar``, ``json_object``) on both endpoints. Fields that Tandem knows but cannot honour
-(``logit_bias``, ``suffix``, ``best_of``, ``parallel_tool_calls``, vLLM's older ``guided_*`` fields)
+(``logit_bias``, ``suffix``, ``best_of``, legacy ``functions``, vLLM's older ``guided_*`` fields)
 are refused with a 400 naming the field instead of being silently dropped.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
@@ -228,24 +229,52 @@ class CompletionRequest(SamplingRequest):
         return self.to_sampling_params(defaults, self.max_tokens, self.logprobs)
 
 
+class FunctionCallParam(OpenAIModel):
+    name: str
+    arguments: str
+
+
+class ToolCallParam(OpenAIModel):
+    """An assistant message's earlier call (``messages[i].tool_calls[j]``)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+    def to_template(self) -> dict[str, Any]:
+        """The call for chat templates: ``arguments`` as an object when it is JSON (what HF templates
+        such as Qwen2.5's and Llama 3.1's render), else the text as given."""
+        try:
+            arguments: Any = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        function = {"name": self.function.name, "arguments": arguments}
+        return {"id": self.id, "type": "function", "function": function}
+
+
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
 
-    def to_template_message(self, index: int) -> dict[str, str]:
-        """``{"role", "content"}`` for the chat template; text parts are joined with newlines.
+    def to_template_message(self, index: int) -> dict[str, Any]:
+        """``{"role", "content"}`` (+ ``tool_calls``, ``tool_call_id``, ``name``) for the chat template;
+        text parts are joined with newlines. An assistant message with tool calls may have no content.
 
         Raises:
-            SamplingParamsError: a non-text content part or tool calls (param ``messages.<i>``).
+            SamplingParamsError: a non-text content part, null content without tool calls, tool calls
+                outside an assistant message (param ``messages.<i>...``).
         """
         param = f"messages.{index}.content"
-        if self.tool_calls:
-            raise SamplingParamsError("tool calls are not supported", f"messages.{index}.tool_calls")
+        if self.tool_calls and self.role != "assistant":
+            raise SamplingParamsError("only assistant messages have tool_calls", f"messages.{index}.tool_calls")
         if self.content is None:
-            raise SamplingParamsError("content must not be null", param)
-        if isinstance(self.content, str):
+            if not self.tool_calls:
+                raise SamplingParamsError("content must not be null", param)
+            text = None
+        elif isinstance(self.content, str):
             text = self.content
         else:
             texts = []
@@ -256,7 +285,26 @@ class ChatMessage(OpenAIModel):
                 texts.append(part["text"])
             text = "\n".join(texts)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": text}
+        message: dict[str, Any] = {"role": role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [call.to_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            message["name"] = self.name
+        return message
+
+
+class FunctionDefinition(OpenAIModel):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolParam(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -266,9 +314,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: TokenCount | None = None
-    tools: list[Any] | None = None
+    tools: list[ToolParam] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
     prediction: Any = None
@@ -277,12 +325,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     def sampling_params(self, defaults: SamplingParams) -> SamplingParams:
         """Raises: SamplingParamsError on unsupported fields or out-of-range values."""
-        if self.tools:
-            raise SamplingParamsError("tools are not supported", "tools")
-        if self.tool_choice is not None and self.tool_choice != "none":
-            raise SamplingParamsError("tool_choice is only allowed when tools are given, and tools are not "
-                                      "supported", "tool_choice")
-        self.refuse_unsupported(("parallel_tool_calls", "functions", "function_call", "prediction", "audio"))
+        self.refuse_unsupported(("functions", "function_call", "prediction", "audio"))
         if self.top_logprobs is not None:
             if not 0 <= self.top_logprobs <= 20:
                 raise SamplingParamsError("top_logprobs must be an integer in [0, 20]", "top_logprobs")
@@ -299,8 +342,12 @@ class ChatCompletionRequest(SamplingRequest):
             raise SamplingParamsError(str(e).replace("max_tokens", "max_completion_tokens"),
                                       "max_completion_tokens") from None
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template_message(i) for i, m in enumerate(self.messages)]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """``tools`` as plain dicts for the chat template (None without tools)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class TokenizeRequest(OpenAIModel):
@@ -368,6 +415,7 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):

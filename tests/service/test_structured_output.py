@@ -41,7 +41,7 @@ def client(request, stories_dir, chat_template_file, tmp_path_factory):
         flags += ["--speculative-method", "ngram", "--num-speculative-tokens", "3"]
     server = Server(stories_dir, tmp_path_factory.mktemp("so") / "server.log", *flags)
     try:
-        server.wait_healthy()
+        server.wait_healthy(timeout_s=300.0)  # NOTE: a loaded CI machine starts servers slowly
         yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120), server
     finally:
         assert server.stop() == 0, server.log()
