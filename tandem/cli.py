@@ -9,14 +9,17 @@ import logging
 import sys
 
 from tandem.config import (
+    DATA_PARALLEL_BACKENDS,
     DEFAULT_MAX_QUEUE_LEN,
     KERNEL_BACKENDS,
     QUANTIZATION_METHODS,
+    ROUTING_POLICIES,
     SELF_QUANT_TYPES,
     SPECULATIVE_METHODS,
     CacheConfig,
     EngineConfig,
     KVEventsConfig,
+    KVTransferConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -61,6 +64,10 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_bind_default: str = "none", 
                    help="pin OpenMP thread i of the engine to core i: 'auto' (all allowed cores, one left to the "
                         "server front end from 4 cores on), 'none', or a core list like '0-3,6' "
                         f"(default: {cpu_bind_default})")
+    p.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help='disaggregated prefill/decode, as vLLM spells it: \'{"kv_connector":"TandemConnector",'
+                        '"kv_role":"kv_producer"|"kv_consumer"|"kv_both","kv_port":14579}\' (also kv_ip, engine_id, '
+                        'secret_file, prefill_failure_policy fail|local, lease_ttl_s, transfer_timeout_s)')
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
                    help="draft proposer (default: no speculation)")
@@ -89,6 +96,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         speculative=_speculative_config_from_args(args),
         cpu_bind=getattr(args, "cpu_bind", "none"),
+        kv_transfer=KVTransferConfig.from_json(args.kv_transfer_config)
+        if getattr(args, "kv_transfer_config", None) else None,
         kv_events=KVEventsConfig.from_json(args.kv_events_config) if getattr(args, "kv_events_config", None) else None,
     )
 
@@ -241,7 +250,18 @@ def add_parallel_args(p: argparse.ArgumentParser, listen: bool) -> None:
         p.add_argument("--engine-address", default=None, metavar="tcp://HOST:PORT",
                        help="use the engine core `tandem engine` serves there instead of starting one (--model "
                             "then only names the local folder with the tokenizer and chat template)")
-        p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine cores (only 1 for now)")
+        p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                       help="engine cores behind this server, each on its own CPUs (one per NUMA node where there "
+                            "are several, else the cores split evenly; --cpu-bind 'LIST/LIST/...' gives each its "
+                            "cores); each request goes to one, chosen by --routing-policy (default 1)")
+        p.add_argument("--data-parallel-backend", default="mp", choices=DATA_PARALLEL_BACKENDS,
+                       help="'mp': engine cores are child processes; 'ray': Ray actors in a placement group (one "
+                            "bundle per engine), restarted by Ray, reached over TCP (needs tandem[ray])")
+        p.add_argument("--ray-address", default=None, metavar="ADDR",
+                       help="the Ray cluster to join (default: $RAY_ADDRESS, a running local cluster, or a new one)")
+        p.add_argument("--routing-policy", default="kv-aware", choices=ROUTING_POLICIES,
+                       help="which engine core gets a request with -dp N: 'kv-aware' (most of the prompt cached, "
+                            "minus load; default), 'least-load' (fewest outstanding tokens) or 'round-robin'")
     p.add_argument("--engine-secret-file", default=None, metavar="FILE",
                    help="file holding the shared secret of the engine core (default: $TANDEM_ENGINE_SECRET)")
 
@@ -250,7 +270,10 @@ def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
     """The frozen ParallelConfig of the parsed flags (validation happens in the dataclass)."""
     return ParallelConfig(engine_address=getattr(args, "engine_address", None),
                           listen_address=getattr(args, "listen", None), engine_secret_file=args.engine_secret_file,
-                          data_parallel_size=getattr(args, "data_parallel_size", 1))
+                          data_parallel_size=getattr(args, "data_parallel_size", 1),
+                          data_parallel_backend=getattr(args, "data_parallel_backend", "mp"),
+                          ray_address=getattr(args, "ray_address", None),
+                          routing_policy=getattr(args, "routing_policy", "kv-aware"))
 
 
 def cmd_engine(args: argparse.Namespace) -> int:

@@ -91,6 +91,9 @@ class SamplingParams:
       (``StructuredOutputsParams``); a request waits for its grammar to compile before it runs.
     - ``speculative`` (Tandem only) False runs this request without drafts when the engine speculates;
       the output distribution is the same either way, only the speed differs.
+    - ``kv_transfer_params`` (vLLM's disaggregated prefill protocol, ``tandem/disagg``): a JSON object
+      with ``do_remote_decode`` (this is a prefill leg: keep the KV for a decode server) or
+      ``do_remote_prefill`` and the ``remote_*`` fields a prefill leg answered (pull the KV).
 
     Raises:
         ValueError: on any out-of-range value (checked in ``__post_init__``); the server maps it to
@@ -116,6 +119,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     priority: int = 0
     speculative: bool = True  # Tandem: False opts this request out of the engine's speculative decoding
+    kv_transfer_params: dict[str, Any] | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -154,6 +158,8 @@ class SamplingParams:
             )
         if not all(isinstance(s, str) for s in self.stop):
             raise SamplingParamsError("stop must be a string or a list of strings", "stop")
+        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
+            raise SamplingParamsError("kv_transfer_params must be an object", "kv_transfer_params")
 
     def _validate(self) -> None:
         checks = [

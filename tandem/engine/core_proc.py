@@ -31,8 +31,8 @@ from tandem.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-STALLED_POLL_MS = 1  # how often a core whose waiting requests are not ready looks for new input
 IDLE_POLL_MS = 500  # how often an idle core checks that its parent is still alive
+STALLED_POLL_MS = 50  # longest wait of a core whose requests all wait (remote KV, free blocks, leases)
 
 
 # ---- front end -> core ----
@@ -112,6 +112,7 @@ class CoreStats(msgspec.Struct):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+    kv_transfer: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):
@@ -138,6 +139,7 @@ class StepFailed(msgspec.Struct, tag="step_failed"):
 
     request_ids: list[str]
     message: str
+    status: int = 500  # the HTTP status of the error (503: a KV transfer failed under the "fail" policy)
 
 
 OutputMessage = Ready | AddResult | StepOutputs | CoreFailed | StepFailed
@@ -176,6 +178,9 @@ class EngineCoreProc:
         self.unscheduled: set[str] = set()  # live requests not yet scheduled once (queue time pending)
         self.poller = zmq.Poller()
         self.poller.register(inputs, zmq.POLLIN)
+        for sock in getattr(getattr(core, "kv_connector", None), "sockets", ()):  # NOTE: KV transfers wake it too
+            self.poller.register(sock, zmq.POLLIN)
+        self.stalled = False  # the last step scheduled nothing (requests wait for remote KV or blocks)
         self.kv_publisher = kv_publisher
         self.engine_id = engine_id
         if kv_publisher is not None and kv_publisher.poll_socket is not None:
@@ -188,15 +193,16 @@ class EngineCoreProc:
         """Loops until ``Shutdown`` or the parent's death. Changes: the engine's queues and cache."""
         while True:
             busy = self.core.has_unfinished_requests()
-            # NOTE: requests that are not ready (a grammar compiling) leave nothing to run: poll, do not spin.
-            stalled = getattr(self.core, "stalled", False)  # NOTE: test doubles of the core may not say
-            handled, stop = self.drain_inputs((STALLED_POLL_MS if stalled else 0) if busy else IDLE_POLL_MS)
+            timeout = (STALLED_POLL_MS if self.stalled else 0) if busy else IDLE_POLL_MS
+            handled, stop = self.drain_inputs(timeout)
             if stop or os.getppid() != self.parent_pid:
                 return
             if self.core.has_unfinished_requests():
                 self.step()
             else:
-                self.core.on_idle()  # lease expiry and a rate-limited integrity check
+                self.stalled = False
+                self.core.on_idle()  # KV transfers, lease expiry and a rate-limited integrity check
+                self.send_failed()
                 if handled:
                     self.send(StepOutputs([], self.stats()))
             self.serve_kv_requests()
@@ -285,7 +291,16 @@ class EngineCoreProc:
             if kv_events is not None:
                 self.send(StepOutputs([], self.stats(), kv_events=kv_events))
             return
+        self.send_failed()
         num_tokens = sum(max(0, r.num_computed_tokens - before[rid]) for rid, r in self.live.items())
+        self.stalled = num_tokens == 0 and not outputs
+        if self.stalled:
+            # NOTE: nothing ran; the loop waits for an input or a KV transfer to finish. Blocks whose
+            # remote KV arrived may have entered the prefix cache: their events still go out.
+            kv_events = self.take_kv_events()
+            if kv_events is not None:
+                self.send(StepOutputs([], self.stats(), kv_events=kv_events))
+            return
         queue_times = {}
         for rid in list(self.unscheduled):
             request = self.live[rid]
@@ -309,6 +324,14 @@ class EngineCoreProc:
         """Answers queued KV snapshot / replay requests (``kv_cache/events.py``) between steps."""
         if self.kv_publisher is not None:
             self.kv_publisher.serve_requests(lambda: self.core.kv_snapshot(self.engine_id))
+
+    def send_failed(self) -> None:
+        """Ends the requests the KV connector gave up on (503 each)."""
+        take = getattr(self.core, "take_failed_requests", None)  # NOTE: only an EngineCore has a connector
+        for rid, message in take() if take is not None else ():
+            self.live.pop(rid, None)
+            self.unscheduled.discard(rid)
+            self.send(StepFailed([rid], message, 503))
 
     def stats(self) -> CoreStats:
         return msgspec.convert(self.core.stats(), CoreStats, from_attributes=True)
@@ -357,8 +380,11 @@ def run_engine_core(
         outputs.send(encoder.encode(make_ready(core, config, publisher)))
         ready = True
         # NOTE: the parent may be the front end's fork server (see core_client), not the front end.
-        EngineCoreProc(core, inputs, outputs, os.getppid(), config.scheduler.max_queue_len, publisher,
-                       str(rank)).run()
+        try:
+            EngineCoreProc(core, inputs, outputs, os.getppid(), config.scheduler.max_queue_len, publisher,
+                           str(rank)).run()
+        finally:
+            core.close()
     except Exception as e:
         # NOTE: a bad flag or model while loading (ValueError, FileNotFoundError) is the user's to fix:
         # the front end prints the one-line message. Anything else is a bug: its traceback is logged

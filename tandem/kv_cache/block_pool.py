@@ -32,11 +32,16 @@ if TYPE_CHECKING:
 
 @dataclass(eq=False, slots=True)
 class KVCacheBlock:
-    """One block of ``block_size`` token slots; ``block_hash`` is set while it is in the prefix cache."""
+    """One block of ``block_size`` token slots; ``block_hash`` is set while it is in the prefix cache.
+
+    ``generation`` counts the block's allocations (``BlockPool.get_new_blocks``): a reader that noted
+    (id, generation) can tell that the block was freed and reused since (a KV transfer refuses it).
+    """
 
     block_id: int
     ref_cnt: int = 0
     block_hash: int | None = None
+    generation: int = 0
 
 
 def _require(ok: bool, message: str) -> None:
@@ -95,7 +100,8 @@ class BlockPool:
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Takes ``num_blocks`` blocks from the head of the free queue, each with ``ref_cnt = 1``.
 
-        Changes: the free queue; evicts the prefix-cache entry of every cached block it takes.
+        Changes: the free queue; evicts the prefix-cache entry of every cached block it takes; bumps
+        each taken block's ``generation``.
 
         Raises:
             ValueError: fewer than ``num_blocks`` free blocks (check ``num_free_blocks`` first).
@@ -107,6 +113,7 @@ class BlockPool:
             _, block = self._free.popitem(last=False)
             self._evict(block)
             block.ref_cnt = 1
+            block.generation += 1
             taken.append(block)
         return taken
 

@@ -8,7 +8,8 @@ it, and sums the expert outputs weighted by their router weights. Qwen2-MoE adds
 Experts are stored stacked, as transformers 5 holds them in memory: ``w13 [E, 2 * I, H]`` (gate rows
 then up rows) and ``w2 [E, H, I]``. The loader fills them from any of the checkpoint layouts listed
 by ``checkpoint_targets`` (per-expert tensors, transformers 5's fused tensors, Granite's
-``input_linear`` / ``output_linear``, and what ``gguf_convert`` writes for llama.cpp's ``ffn_*_exps``).
+``input_linear`` / ``output_linear``, and the stacked ``experts.{gate,up,down}_proj`` that
+``gguf_convert`` writes for llama.cpp's ``ffn_*_exps``).
 
 Batch invariance: each (token, expert) product is computed by a kernel whose result does not depend
 on how many tokens share the expert (``kernels.moe_bf16`` or ``kernels.linear_bf16``; the float32
@@ -122,8 +123,7 @@ class FusedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if (x.dtype == torch.bfloat16 and self.w13.dtype == torch.bfloat16 and "moe_bf16" in registry.LIMITS
-                and registry.use("moe_bf16", tokens=x.shape[0])):
+        if x.dtype == torch.bfloat16 and self.w13.dtype == torch.bfloat16 and registry.use("moe_bf16", x.shape[0]):
             return kernels.moe_bf16(x, self.w13, self.w2, weights, ids)
         return moe_grouped(x, self.w13, self.w2, weights, ids)
 
@@ -189,7 +189,10 @@ class SparseMoeBlock(nn.Module):
         w13, w2, inter = self.experts.w13, self.experts.w2, self.experts.intermediate
         router = [(f"{prefix}.{router_name}", self.router)]
         fused = [(f"{prefix}.experts.gate_up_proj", w13), (f"{prefix}.experts.down_proj", w2)]
-        alternatives = [router + fused]
+        # what gguf_convert writes for llama.cpp's ffn_{gate,up,down}_exps
+        stacked = [(f"{prefix}.experts.gate_proj", w13[:, :inter]), (f"{prefix}.experts.up_proj", w13[:, inter:]),
+                   (f"{prefix}.experts.down_proj", w2)]
+        alternatives = [router + fused, router + stacked]
         if self.layout == "granite":
             legacy = [(f"{prefix}.input_linear.weight", w13), (f"{prefix}.output_linear.weight", w2)]
             alternatives.append(router + legacy)

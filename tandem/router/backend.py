@@ -66,12 +66,12 @@ class HttpBackend:
         self.load = data if isinstance(data, dict) else None
         return self.load
 
-    def use_events(self, endpoint: str, topic: str = "") -> None:
-        """Switches to an exact index fed from ``endpoint`` (started by ``start_events``). Changes:
+    def use_events(self, endpoint: str, topic: str = "", replay_endpoint: str | None = None) -> None:
+        """Switches to an exact index fed from ``endpoint`` (the caller starts ``subscriber``). Changes:
         ``state.index``, ``subscriber``."""
         index = EventBlockIndex()
         self.state.index = index
-        self.subscriber = KVEventSubscriber(endpoint, topic, index, self.url)
+        self.subscriber = KVEventSubscriber(endpoint, topic, index, self.url, replay_endpoint)
 
     def configure(self, block_size: int) -> None:
         """Chooses the index from the discovery: events (``--kv-events`` or ``/load``'s ``kv_events``) when

@@ -17,12 +17,14 @@ Kinds:
 
 - ``EventBlockIndex``: the exact set of hashes an engine announced in its KV event batches
   (``kv_cache/events.py``; ``apply(seq, batch)`` per received message). A gap in ``seq`` means
-  lost events: the set is cleared and rebuilt from later events. Between dispatch and the engine's
-  ``BlockStored`` (sent after the prefill step) the prompt's hashes count as *pending*, so a burst
-  of requests with one prefix lands on the same engine; pending hashes end ``pending_grace_s``
-  seconds after the request completes (by then the events have told the truth), or on removal.
+  lost events (a lower ``seq``: the engine restarted): the set is cleared and rebuilt from later
+  events, or at once from the publisher's snapshot (``load_snapshot``) when it has a replay socket.
+  Between dispatch and the engine's ``BlockStored`` (sent after the prefill step) the prompt's
+  hashes count as *pending*, so a burst of requests with one prefix lands on the same engine;
+  pending hashes end ``pending_grace_s`` seconds after the request completes (by then the events
+  have told the truth), or on removal.
 - ``ApproxBlockIndex``: for backends that publish no events (vLLM without events, llama.cpp, a
-  Tandem started without ``--kv-events-endpoint``): the hashes of the prompts the router sent there,
+  Tandem started without ``--kv-events-config``): the hashes of the prompts the router sent there,
   an LRU of at most ``capacity_blocks`` entries standing for the backend's cache. Recording a prompt
   touches its blocks leaf first, so the LRU evicts leaves before their parents, as a prefix tree
   would. ``observe_hit(predicted, cached)`` corrects the capacity from a response's
@@ -92,12 +94,18 @@ class EventBlockIndex:
         self._clock = clock
         self._inflight: dict[int, int] = {}  # hash -> requests in flight with it
         self._recent: dict[int, float] = {}  # hash -> expiry (completed, grace running)
+        self._skip_below: int | None = None  # after a snapshot: earlier batches are in it already
 
     def apply(self, seq: int, batch: KVEventBatch) -> bool:
         """Applies one received batch; returns False when ``seq`` showed a gap (the index was cleared first).
 
-        Changes: ``blocks``, ``next_seq``, ``gaps``; removed hashes leave the pending sets too.
+        Changes: ``blocks``, ``next_seq``, ``gaps``; removed hashes leave the pending sets too. A batch
+        older than a loaded snapshot (queued before it was taken) is skipped.
         """
+        if self._skip_below is not None:
+            if seq < self._skip_below:
+                return True
+            self._skip_below = None
         ok = self.next_seq is None or seq == self.next_seq
         if not ok:
             logger.warning("KV events: expected seq %d, got %d; index of %r cleared", self.next_seq, seq,
@@ -117,6 +125,19 @@ class EventBlockIndex:
             elif isinstance(event, AllBlocksCleared):
                 self.clear()
         return ok
+
+    def load_snapshot(self, seq: int, batch: KVEventBatch) -> None:
+        """Replaces the announced set by a publisher's snapshot, valid before its batch ``seq``
+        (``kv_cache.events.fetch_snapshot``); batches below ``seq`` are then skipped.
+
+        Changes: ``blocks``, ``next_seq`` (pending dispatches are kept: they are the router's own).
+        """
+        self.blocks.clear()
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self.blocks.update(hash_from_bytes(h) for h in event.block_hashes)
+        self.next_seq = seq
+        self._skip_below = seq
 
     def _held(self, h: int) -> bool:
         if h in self.blocks or h in self._inflight:

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from tandem.kv_cache.events import parse_message
+from tandem.kv_cache.events import fetch_snapshot, parse_message
 from tandem.router.kv_index import EventBlockIndex
 
 logger = logging.getLogger(__name__)
@@ -33,28 +33,38 @@ def reachable_endpoint(endpoint: str, backend_url: str) -> str:
     return endpoint
 
 
-def endpoint_from_load(load: dict[str, Any], backend_url: str) -> tuple[str, str] | None:
-    """(endpoint, topic) from a Tandem ``/load`` answer, or None when the backend publishes no events."""
+def endpoint_from_load(load: dict[str, Any], backend_url: str) -> tuple[str, str, str | None] | None:
+    """(endpoint, topic, replay endpoint or None) from a Tandem ``/load`` answer, or None when the
+    backend publishes no events."""
     info = load.get("kv_events")
-    if isinstance(info, dict) and isinstance(info.get("endpoint"), str):
-        return reachable_endpoint(info["endpoint"], backend_url), str(info.get("topic") or "")
+    if isinstance(info, dict) and isinstance(info.get("endpoint"), str) and info["endpoint"]:
+        replay = info.get("replay_endpoint")
+        replay = reachable_endpoint(replay, backend_url) if isinstance(replay, str) and replay else None
+        return reachable_endpoint(info["endpoint"], backend_url), str(info.get("topic") or ""), replay
     return None
 
 
 class KVEventSubscriber:
     """One SUB socket feeding ``index`` until ``close``.
 
+    With a ``replay_endpoint`` the index starts from the publisher's snapshot (taken after
+    subscribing, so no batch falls between) and a gap in ``seq`` reloads one instead of waiting for
+    new events to rebuild the index.
+
     Args:
         endpoint: the publisher's ZeroMQ address. topic: the subscription prefix ("" = all).
         index: the backend's ``EventBlockIndex`` (``apply`` per message).
-        name: the backend (for logs).
+        name: the backend (for logs). replay_endpoint: its snapshot socket, or None.
 
     Attributes:
-        received / malformed: messages applied / dropped as unreadable.
+        received / malformed / snapshots: messages applied / dropped as unreadable; snapshots loaded.
     """
 
-    def __init__(self, endpoint: str, topic: str, index: EventBlockIndex, name: str) -> None:
+    def __init__(self, endpoint: str, topic: str, index: EventBlockIndex, name: str,
+                 replay_endpoint: str | None = None) -> None:
         self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.snapshots = 0
         self.topic = topic
         self.index = index
         self.name = name
@@ -77,6 +87,7 @@ class KVEventSubscriber:
         logger.info("backend %s: KV events from %s", self.name, self.endpoint)
 
     async def _run(self) -> None:
+        await self._snapshot()
         while True:
             frames = await self._sock.recv_multipart()
             try:
@@ -85,8 +96,22 @@ class KVEventSubscriber:
                 self.malformed += 1
                 logger.warning("backend %s: unreadable KV event message dropped: %s", self.name, e)
                 continue
-            self.index.apply(seq, batch)
             self.received += 1
+            if not self.index.apply(seq, batch):
+                await self._snapshot()
+
+    async def _snapshot(self) -> None:
+        """Loads the publisher's snapshot when it has a replay socket; a failure is logged (the index
+        then rebuilds from new events). Changes: the index, ``snapshots``."""
+        if self.replay_endpoint is None:
+            return
+        try:
+            seq, batch = await asyncio.to_thread(fetch_snapshot, self.replay_endpoint, 5.0)
+        except (TimeoutError, ValueError, msgspec.DecodeError) as e:
+            logger.warning("backend %s: no KV snapshot from %s: %s", self.name, self.replay_endpoint, e)
+            return
+        self.index.load_snapshot(seq, batch)
+        self.snapshots += 1
 
     async def close(self) -> None:
         """Stops the task and closes the socket. Changes: the task, the socket."""
@@ -101,5 +126,6 @@ class KVEventSubscriber:
             self._ctx.term()
 
     def describe(self) -> dict[str, Any]:
-        return {"endpoint": self.endpoint, "received": self.received, "malformed": self.malformed,
+        return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint, "received": self.received,
+                "malformed": self.malformed, "snapshots": self.snapshots,
                 "gaps": self.index.gaps, "blocks": len(self.index.blocks)}

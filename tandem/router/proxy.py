@@ -4,11 +4,13 @@ One request's path:
 1. ``PromptReader.read`` (in a worker thread: tokenizing holds the CPU) gives its block hashes and token
    cost; the policy chooses among the backends that are healthy, below their cap and not busy.
 2. The raw body goes to ``{backend}{path}`` with the client's headers (minus hop-by-hop ones).
-3. Before the response's first byte reaches the client, a failure is retried **once** on another
-   backend: a connect error (refused, reset, no response) or a 5xx status; both also count against
-   the backend's health. A 429 marks that backend busy for its ``Retry-After`` and the request tries
-   the next one (not counted as a retry). Once the status line is relayed nothing is retried: a
-   stream broken later ends the client's connection (and ejects the backend).
+3. Until the response's first body chunk arrives nothing reaches the client, and a failure is
+   retried **once** on another backend: a connect error (refused, reset, no response, a body that
+   breaks before its first chunk) or a 5xx status; both also count against the backend's health. A
+   429 marks that backend busy for its ``Retry-After`` and the request tries the next one (not
+   counted as a retry). After the first chunk nothing is retried: a stream that breaks later ends
+   with an SSE error event and ``data: [DONE]`` (a non-SSE body: the connection drops), and the
+   backend is ejected.
 4. No backend left: the router answers 429 when healthy backends exist but all are full (their 429
    passed through when they said so, else its own), 503 when none is healthy; both with ``Retry-After``.
 """
@@ -20,11 +22,13 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 
 import httpx
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from tandem.gateway.upstream import sse_error_event
 from tandem.router.backend import HttpBackend
 from tandem.router.config import RouterConfig
 from tandem.router.kv_index import ApproxBlockIndex
@@ -38,7 +42,17 @@ logger = logging.getLogger(__name__)
 # NOTE: hop-by-hop headers (RFC 9110 section 7.6.1) and those the HTTP stacks set themselves.
 DROP_REQUEST_HEADERS = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
                  "proxy-authorization", "proxy-connection", "accept-encoding"}
-DROP_RESPONSE_HEADERS = {"content-length", "connection", "keep-alive", "transfer-encoding", "date", "server"}
+DROP_RESPONSE_HEADERS = {"content-length", "content-encoding", "connection", "keep-alive", "transfer-encoding",
+                         "date", "server"}
+
+
+@dataclass
+class _Opened:
+    """A backend's answer: ``first`` body chunk and the ``rest`` (None for a 429 / 5xx, unread)."""
+
+    response: httpx.Response
+    first: bytes
+    rest: AsyncIterator[bytes] | None
 
 
 def filter_headers(headers: httpx.Headers | Sequence[tuple[str, str]], drop: set[str]) -> list[tuple[str, str]]:
@@ -103,13 +117,13 @@ class Router:
             tried.add(backend)
             ticket = self.policy.on_dispatch(backend.state, prompt.block_hashes, prompt.num_tokens)
             self.metrics.dispatched(backend.state, len(prompt.block_hashes), ticket.matched_blocks)
-            upstream = await self._send(backend, path, raw, headers, ticket)
-            if upstream is not None and upstream.status_code < 500 and upstream.status_code != 429:
-                backend.health.on_response(upstream.status_code)
-                return await self._relay(backend, upstream, ticket, prompt)
-            if upstream is not None:
-                refused = await self._refused(backend, upstream, ticket)
-                if upstream.status_code == 429:
+            opened = await self._send(backend, path, raw, headers, ticket)
+            if opened is not None and opened.rest is not None:
+                backend.health.on_response(opened.response.status_code)
+                return await self._relay(backend, opened, ticket, prompt)
+            if opened is not None:
+                refused = await self._refused(backend, opened.response, ticket)
+                if opened.response.status_code == 429:
                     continue
             if retried:
                 return refused if refused is not None else self._bad_gateway(backend)
@@ -117,12 +131,20 @@ class Router:
             self.metrics.retries.inc()
 
     async def _send(self, backend: HttpBackend, path: str, raw: bytes, headers: list[tuple[str, str]],
-                    ticket: Ticket) -> httpx.Response | None:
-        """The backend's response with its body unread, or None after a connect error (reported)."""
+                    ticket: Ticket) -> _Opened | None:
+        """The backend's answer up to its first body chunk (none for a 429 / 5xx, read later), or None
+        after a failure before that chunk (reported: a connect error for the backend's health)."""
         req = self.client.build_request("POST", f"{backend.url}{path}", content=raw, headers=headers)
+        upstream = None
         try:
-            return await self.client.send(req, stream=True)
+            upstream = await self.client.send(req, stream=True)
+            if upstream.status_code >= 500 or upstream.status_code == 429:
+                return _Opened(upstream, b"", None)
+            rest = upstream.aiter_bytes()  # NOTE: decoded, so Content-Encoding is not relayed
+            return _Opened(upstream, await anext(rest, b""), rest)
         except httpx.HTTPError as e:
+            if upstream is not None:
+                await upstream.aclose()
             self.policy.on_complete(ticket)
             self.metrics.errors.labels(backend.url, "connect").inc()
             backend.health.on_connect_error(f"{type(e).__name__}: {e}")
@@ -149,12 +171,12 @@ class Router:
         return APIError(502, f"the backend {backend.url} could not be reached", "bad_gateway", None,
                         "backend_unreachable").response()
 
-    async def _relay(self, backend: HttpBackend, upstream: httpx.Response, ticket: Ticket,
-                     prompt: RoutedPrompt) -> Response:
+    async def _relay(self, backend: HttpBackend, opened: _Opened, ticket: Ticket, prompt: RoutedPrompt) -> Response:
+        upstream = opened.response
         headers = dict(filter_headers(upstream.headers, DROP_RESPONSE_HEADERS))
         if not prompt.stream and upstream.headers.get("content-type", "").startswith("application/json"):
             try:
-                body = await upstream.aread()
+                body = opened.first + b"".join([chunk async for chunk in opened.rest])
             except httpx.HTTPError as e:
                 self._broken(backend, e)
                 return self._bad_gateway(backend)
@@ -163,17 +185,24 @@ class Router:
                 self.policy.on_complete(ticket)
             self._observe_usage(backend, body, ticket)
             return Response(body, upstream.status_code, headers=headers)
-        return StreamingResponse(self._chunks(backend, upstream, ticket), upstream.status_code, headers=headers)
+        return StreamingResponse(self._chunks(backend, opened, ticket), upstream.status_code, headers=headers)
 
-    async def _chunks(self, backend: HttpBackend, upstream: httpx.Response, ticket: Ticket) -> AsyncIterator[bytes]:
+    async def _chunks(self, backend: HttpBackend, opened: _Opened, ticket: Ticket) -> AsyncIterator[bytes]:
+        """The body as it comes; a break ends an SSE stream with an error event and ``[DONE]`` (as the
+        server and the gateway do), any other body by dropping the connection."""
         try:
-            async for chunk in upstream.aiter_raw():
+            if opened.first:
+                yield opened.first
+            async for chunk in opened.rest:
                 yield chunk
         except httpx.HTTPError as e:
             self._broken(backend, e)
-            raise
+            if not opened.response.headers.get("content-type", "").startswith("text/event-stream"):
+                raise
+            yield sse_error_event(f"the backend stream broke: {type(e).__name__}")
+            yield b"data: [DONE]\n\n"
         finally:
-            await upstream.aclose()
+            await opened.response.aclose()
             self.policy.on_complete(ticket)
 
     def _broken(self, backend: HttpBackend, e: Exception) -> None:

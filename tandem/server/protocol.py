@@ -140,6 +140,8 @@ class SamplingRequest(OpenAIModel):
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's disaggregated prefill protocol (tandem/disagg/connector.py): passed to the engine as is.
+    kv_transfer_params: dict[str, Any] | None = None
     # NOTE: known fields Tandem does not honour yet: a non-null value is refused (400, param = the field).
     guided_json: Any = None
     guided_regex: Any = None
@@ -197,7 +199,7 @@ class SamplingRequest(OpenAIModel):
             "ignore_eos": self.ignore_eos, "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens, "logprobs": logprobs,
             "presence_penalty": self.presence_penalty or 0.0,
-            "frequency_penalty": self.frequency_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0, "kv_transfer_params": self.kv_transfer_params,
         }
         structured, param = self.structured_outputs_params()
         if structured is not None:
@@ -394,6 +396,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's field (disaggregated prefill)
 
 
 class ChatTopLogprob(BaseModel):
@@ -433,6 +436,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's field (disaggregated prefill)
 
 
 class ModelCard(BaseModel):

@@ -7,24 +7,28 @@ import openai
 import pytest
 from live_server import MODEL, RouterProcess, Server, metric_samples
 
+KV_EVENTS = ('{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:*", '
+             '"replay_endpoint": "tcp://127.0.0.1:*"}')
 MESSAGES = [{"role": "system", "content": "You tell short stories."},
             {"role": "user", "content": "Once upon a time there was a little dog"}]
 
 
 @pytest.fixture(scope="module")
 def cluster(stories_dir, chat_template_file, tmp_path_factory):
-    """Two backends and a router capping each at one request in flight, probing every 0.2 s."""
+    """Two backends (the second publishes KV events, the first does not) and a router capping each at
+    one request in flight, probing every 0.2 s."""
     logs = tmp_path_factory.mktemp("router")
     flags = ("--chat-template", str(chat_template_file), "--served-model-name", MODEL)
-    backends = [Server(stories_dir, logs / f"backend{i}.log", *flags) for i in range(2)]
+    backends = [Server(stories_dir, logs / "backend0.log", *flags),
+                Server(stories_dir, logs / "backend1.log", *flags, "--kv-events-config", KV_EVENTS)]
     router = None
     try:
         for b in backends:
-            b.wait_healthy()
+            b.wait_healthy(300.0)  # NOTE: generous: two servers start at once on a loaded 2-core machine
         router = RouterProcess([b.url for b in backends], logs / "router.log", "--chat-template",
                                str(chat_template_file), "--max-outstanding-per-backend", "1",
                                "--health-interval", "0.2", "--eject-seconds", "1")
-        router.wait_healthy()
+        router.wait_healthy(300.0)
         yield router, backends
     finally:
         for p in [router, *backends]:
@@ -51,6 +55,27 @@ def test_streaming_passes_through_intact(cluster):
         assert _stream(router.url, max_tokens=24) == direct
     r = httpx.get(f"{router.url}/v1/models", timeout=10.0)
     assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == [MODEL]
+
+
+def test_kv_aware_routes_to_the_backend_whose_events_announced_the_prefix(cluster):
+    router, backends = cluster
+    messages = [{"role": "system", "content": "A story about a cat named Tom who liked the sun. " * 3},
+                {"role": "user", "content": "Tell it."}]
+    _client(backends[1].url).chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{router.url}/backends").json()["backends"][1]["kv_events"]["received"] == 0:
+        assert time.monotonic() < deadline, "no KV event reached the router"
+        time.sleep(0.1)
+    before = metric_samples(router.url)
+    out = _client(router.url).chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert out.usage.completion_tokens == 2
+    after = metric_samples(router.url)
+    key = ("tandem_router:requests_total", (("backend", backends[1].url),))
+    assert after[key] - before[key] == 1  # idle backends tie on load: the events decided
+    hits = ("tandem_router:routed_hit_blocks_total", (("backend", backends[1].url),))
+    assert after[hits] - before[hits] >= 3  # the system prompt's full blocks
+    info = httpx.get(f"{router.url}/backends").json()["backends"]
+    assert [b["index"] for b in info] == ["approximate", "kv-events"] and info[1]["kv_events"]["snapshots"] == 1
 
 
 def test_429_with_retry_after_when_both_backends_are_full(cluster):

@@ -98,6 +98,19 @@ def test_a_seq_gap_clears_the_index_and_later_events_rebuild_it():
     assert idx.apply(9, _batch()) and idx.match(PROMPT) == 2
 
 
+def test_a_snapshot_replaces_the_set_and_older_batches_are_skipped():
+    idx = EventBlockIndex()
+    idx.apply(3, _batch(_stored(PROMPT[:1])))
+    idx.load_snapshot(10, _batch(AllBlocksCleared(), _stored(PROMPT[:3])))
+    assert idx.blocks == set(PROMPT[:3]) and idx.next_seq == 10
+    assert idx.apply(8, _batch(BlockRemoved(block_hashes=[hash_to_bytes(PROMPT[0])])))  # queued before: moot
+    assert idx.match(PROMPT) == 3 and idx.gaps == 0
+    assert idx.apply(10, _batch(_stored(PROMPT[3:])))
+    assert idx.match(PROMPT) == 5
+    assert not idx.apply(0, _batch())  # a lower seq afterwards: the engine restarted
+    assert idx.blocks == set() and idx.gaps == 1
+
+
 def test_pending_dispatch_counts_until_grace_after_completion():
     now = [0.0]
     bs = [BackendState("b0", index=EventBlockIndex(pending_grace_s=2.0, clock=lambda: now[0])),

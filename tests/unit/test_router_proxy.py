@@ -8,12 +8,13 @@ import time
 import httpx
 import pytest
 
-from tandem.kv_cache.events import BlockStored, KVEventBatch, KVEventPublisher, hash_to_bytes
+from tandem.kv_cache.events import BlockStored, KVEventBatch, KVEventPublisher, hash_to_bytes, snapshot_batch
 from tandem.kv_cache.hashing import hash_token_blocks
 from tandem.router.app import RouterService, build_app
 from tandem.router.config import RouterConfig
 from tandem.router.health import HealthState
 from tandem.router.kv_index import EventBlockIndex
+from tandem.router.kv_subscriber import endpoint_from_load, reachable_endpoint
 
 pytestmark = pytest.mark.anyio
 
@@ -130,24 +131,43 @@ async def test_5xx_is_retried_once_then_relayed_as_is():
     await _stop(service, client)
 
 
-async def test_no_retry_once_the_first_byte_went_out():
+def _sse(chunks, fail=False):
+    return lambda r: httpx.Response(200, stream=Stream(chunks, fail), headers={"content-type": "text/event-stream"})
+
+
+async def test_a_stream_broken_before_its_first_chunk_is_retried_after_it_is_not():
     fakes = Fakes()
-    fakes.script = {A: lambda r: httpx.Response(200, stream=Stream(SSE[:1], fail=True),
-                                                headers={"content-type": "text/event-stream"}),
-                    B: ok}
+    fakes.script = {A: _sse([], fail=True), B: _sse(SSE)}
     service, client = await _start(fakes, A, B)
-    # NOTE: ASGITransport buffers the body, so the client sees the broken stream as the error alone
-    with pytest.raises(httpx.ReadError, match="mid-stream"):
-        await client.post("/v1/completions", json={**BODY, "stream": True})
-    assert fakes.posts() == [A]
+    r = await client.post("/v1/completions", json={**BODY, "stream": True})
+    assert r.status_code == 200 and r.content == b"".join(SSE) and fakes.posts() == [A, B]
     assert service.backends[0].health.state is HealthState.EJECTED
-    assert service.backends[0].state.outstanding_requests == 0
+    service.backends[0].health.on_probe(True)  # (not due yet: stays ejected)
+    fakes.script = {A: _sse(SSE), B: _sse(SSE[:1], fail=True)}
+    r = await client.post("/v1/completions", json={**BODY, "stream": True})
+    events = r.content.split(b"\n\n")
+    assert events[0] + b"\n\n" == SSE[0] and fakes.posts() == [A, B, B]  # not retried on A
+    assert json.loads(events[1].removeprefix(b"data: "))["error"]["code"] == "backend_stream_broken"
+    assert events[2:] == [b"data: [DONE]", b""]
+    assert service.backends[1].health.state is HealthState.EJECTED
+    assert [b.state.outstanding_requests for b in service.backends] == [0, 0]
+    assert 'kind="stream"} 1.0' in (await client.get("/metrics")).text
+    await _stop(service, client)
+
+
+async def test_a_broken_json_body_drops_the_connection():
+    fakes = Fakes()
+    fakes.script = {A: lambda r: httpx.Response(200, stream=Stream([b'{"id": '], fail=True),
+                                                headers={"content-type": "application/json"})}
+    service, client = await _start(fakes, A)
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "backend_unreachable"
     await _stop(service, client)
 
 
 async def test_sse_passes_through_byte_for_byte():
     fakes = Fakes()
-    fakes.script = {A: lambda r: httpx.Response(200, stream=Stream(SSE), headers={"content-type": "text/event-stream"})}
+    fakes.script = {A: _sse(SSE)}
     service, client = await _start(fakes, A)
     async with client.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as r:
         body = b"".join([c async for c in r.aiter_raw()])
@@ -227,23 +247,34 @@ async def test_kv_aware_keeps_a_shared_prefix_on_one_backend_without_events():
     await _stop(service, client)
 
 
-async def test_kv_events_found_in_load_feed_the_index():
-    publisher = KVEventPublisher("tcp://127.0.0.1:*", topic="kv")
-    port = publisher.endpoint.rsplit(":", 1)[1]
-    fakes = Fakes(**{A: {"block_size": 4, "num_kv_blocks": 64,
-                         "kv_events": {"endpoint": f"tcp://*:{port}", "topic": "kv"}}})
+def test_wildcard_event_endpoints_are_reached_at_the_backend_host():
+    assert reachable_endpoint("tcp://*:5557", "http://10.0.0.7:8000") == "tcp://10.0.0.7:5557"
+    assert reachable_endpoint("tcp://0.0.0.0:5557", "http://gpu1:8000") == "tcp://gpu1:5557"
+    assert reachable_endpoint("tcp://127.0.0.1:5557", "http://gpu1:8000") == "tcp://127.0.0.1:5557"
+    assert endpoint_from_load({"kv_events": None}, A) is None
+    assert endpoint_from_load({"kv_events": {"endpoint": "tcp://*:1", "replay_endpoint": "tcp://*:2", "topic": "t"}},
+                              "http://h:9") == ("tcp://h:1", "t", "tcp://h:2")
+
+
+async def test_kv_events_found_in_load_feed_the_index_from_a_snapshot_then_batches():
+    publisher = KVEventPublisher("tcp://127.0.0.1:*", topic="kv", replay_endpoint="tcp://127.0.0.1:*")
+    fakes = Fakes(**{A: {"block_size": 4, "num_kv_blocks": 64, "kv_events": {
+        "endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint, "topic": "kv"}}})
     fakes.script = {A: ok, B: ok}
+    hashes = hash_token_blocks([ord(c) for c in BODY["prompt"]], 4)
+    old = KVEventBatch(ts=0.0, events=[BlockStored([hash_to_bytes(h) for h in hashes[:1]], 4)])
+    publisher.publish(old)  # seq 0: before the router subscribed, in the snapshot below
     service, client = await _start(fakes, A, B, policy="kv-aware")
     a = service.backends[0]
     assert isinstance(a.state.index, EventBlockIndex) and service.router.reader.block_size == 4
-    assert a.subscriber.endpoint == f"tcp://a:{port}"  # the wildcard host is the backend's host
-    # NOTE: the test's publisher is on loopback; point the subscriber there (ZeroMQ's slow joiner: resend)
-    await a.subscriber.close()
-    a.subscriber.endpoint = publisher.endpoint
-    a.subscriber.start()
-    hashes = hash_token_blocks([ord(c) for c in BODY["prompt"]], 4)
+    for _ in range(500):  # the engine loop's part: answer the snapshot request
+        publisher.serve_requests(lambda: snapshot_batch(hashes[:2], 4))
+        await asyncio.sleep(0.01)
+        if a.subscriber.snapshots:
+            break
+    assert a.state.index.blocks == set(hashes[:2]) and a.state.index.next_seq == 1
     batch = KVEventBatch(ts=0.0, events=[BlockStored([hash_to_bytes(h) for h in hashes], 4)])
-    for _ in range(200):
+    for _ in range(200):  # NOTE: ZeroMQ's slow joiner: resend until one arrives
         publisher.publish(batch)
         await asyncio.sleep(0.01)
         if a.subscriber.received:
@@ -251,6 +282,8 @@ async def test_kv_events_found_in_load_feed_the_index():
     assert a.state.index.blocks == set(hashes)
     r = await client.post("/v1/completions", json=BODY)
     assert r.status_code == 200 and fakes.posts() == [A]
-    assert a.describe(None)["kv_events"]["received"] >= 1
+    info = (await client.get("/backends")).json()["backends"][0]
+    assert info["index"] == "kv-events" and info["kv_events"]["snapshots"] == 1
+    assert info["indexed_blocks"] == len(hashes) and info["routed_prefix_hit_rate"] == 1.0
     await _stop(service, client)
     publisher.close()
