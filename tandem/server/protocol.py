@@ -11,7 +11,6 @@ are refused with a 400 naming the field instead of being silently dropped.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
@@ -19,6 +18,7 @@ from pydantic_core import PydanticCustomError
 
 from tandem.outputs import PositionLogprobs
 from tandem.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
+from tandem.server.protocol_tools import ResponseFormat, ToolCallParam, ToolParam
 from tandem.structured_outputs import check_grammar
 
 # Integer bounds, checked before anything reaches msgpack (64-bit) or torch. Lower bounds of n,
@@ -78,39 +78,6 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
-
-
-class JsonSchemaFormat(OpenAIModel):
-    """``response_format.json_schema``: the schema is enforced whether ``strict`` is true or not (a
-    keyword the grammar engine cannot honour is a 400 either way, never a relaxation)."""
-
-    name: str | None = None
-    description: str | None = None
-    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(OpenAIModel):
-    type: str
-    json_schema: JsonSchemaFormat | None = None
-
-    def structured_outputs(self) -> StructuredOutputsParams | None:
-        """The constraint of this format (None for ``text``).
-
-        Raises:
-            SamplingParamsError: an unknown type, or ``json_schema`` without a schema (param ``response_format``).
-        """
-        if self.type == "text":
-            return None
-        if self.type == "json_object":
-            return StructuredOutputsParams(json_object=True)
-        if self.type == "json_schema":
-            if self.json_schema is None or self.json_schema.json_schema is None:
-                raise SamplingParamsError("response_format of type 'json_schema' needs json_schema.schema",
-                                          "response_format")
-            return StructuredOutputsParams(json=self.json_schema.json_schema)
-        raise SamplingParamsError(f"response_format type must be 'text', 'json_object' or 'json_schema', got "
-                                  f"{self.type!r}", "response_format")
 
 
 class SamplingRequest(OpenAIModel):
@@ -231,29 +198,6 @@ class CompletionRequest(SamplingRequest):
         return self.to_sampling_params(defaults, self.max_tokens, self.logprobs)
 
 
-class FunctionCallParam(OpenAIModel):
-    name: str
-    arguments: str
-
-
-class ToolCallParam(OpenAIModel):
-    """An assistant message's earlier call (``messages[i].tool_calls[j]``)."""
-
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCallParam
-
-    def to_template(self) -> dict[str, Any]:
-        """The call for chat templates: ``arguments`` as an object when it is JSON (what HF templates
-        such as Qwen2.5's and Llama 3.1's render), else the text as given."""
-        try:
-            arguments: Any = json.loads(self.function.arguments)
-        except ValueError:
-            arguments = self.function.arguments
-        function = {"name": self.function.name, "arguments": arguments}
-        return {"id": self.id, "type": "function", "function": function}
-
-
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
@@ -295,18 +239,6 @@ class ChatMessage(OpenAIModel):
         if self.name is not None and self.role == "tool":
             message["name"] = self.name
         return message
-
-
-class FunctionDefinition(OpenAIModel):
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ToolParam(OpenAIModel):
-    type: Literal["function"]
-    function: FunctionDefinition
 
 
 class ChatCompletionRequest(SamplingRequest):
