@@ -32,6 +32,7 @@ from tandem.models.loader import DTYPES, load_model
 from tandem.models.quant import quantize_model
 from tandem.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tandem.sample.grammar import Grammar, GrammarCompiler
+from tandem.sample.prompt_logprobs import PromptLogprobsState
 from tandem.sample.sampler import Sampler, SamplingState
 from tandem.sampling_params import SamplingParams
 from tandem.spec_decode.rejection import VerifyResult
@@ -156,6 +157,7 @@ class ModelRunner:
         self.states: dict[str, SamplingState] = {}
         self.grammars = GrammarCompiler(lambda: _load_tokenizer(model_dir), self.hf_config.vocab_size)
         self._pending_grammars: dict[str, Future[Grammar]] = {}
+        self.prompt_logprobs: dict[str, PromptLogprobsState] = {}  # requests whose prompt logprobs are pending
         self.kv_caches: list[KVCache] = []
         self.num_blocks = 0
         # NOTE: once the model loaded: a start-up that fails says only why (one line), not the kernel path.
@@ -252,6 +254,7 @@ class ModelRunner:
                 [r.block_ids for r in rows], self.kv_caches,
             )
             ends = list(itertools.accumulate(len(r.token_ids) for r in rows))
+            self._add_prompt_logprobs(rows, hidden, ends)
             if sample_rows:
                 # NOTE: model-dtype logits: the sampler copies to float32 only the rows that need it,
                 # and greedy rows argmax them as they are.
@@ -261,6 +264,7 @@ class ModelRunner:
                     sample_rows, states, sampled.token_ids, sampled.logprobs, strict=True
                 ):
                     self._record(output, rows[i].request_id, state, VerifyResult([token], [logprobs]))
+                    self._send_prompt_logprobs(output, rows[i].request_id)
             if spec_rows:
                 self._verify(output, [rows[i] for i in spec_rows], hidden, [ends[i] for i in spec_rows])
             if self.speculator is not None:
@@ -278,6 +282,22 @@ class ModelRunner:
         results = self.speculator.verify(self.model.compute_logits(hidden[index]), rows, states)
         for row, state, result in zip(rows, states, results, strict=True):
             self._record(output, row.request_id, state, result)
+
+    def _add_prompt_logprobs(self, rows: list[ScheduledRequest], hidden: torch.Tensor, ends: list[int]) -> None:
+        """Prompt logprobs from this step's prefill chunks, for the requests that asked for them."""
+        for row, end in zip(rows, ends, strict=True):
+            tracker = self.prompt_logprobs.get(row.request_id)
+            if tracker is not None and not tracker.sent:
+                prompt = self.states[row.request_id].prompt_token_ids
+                if row.num_computed_tokens < len(prompt) - 1:
+                    tracker.add_chunk(self.model.compute_logits, hidden[end - len(row.token_ids) : end], prompt,
+                                      row.num_computed_tokens)
+
+    def _send_prompt_logprobs(self, output: ModelRunnerOutput, request_id: str) -> None:
+        """Hands a request's prompt logprobs to the output of its first sampled token."""
+        tracker = self.prompt_logprobs.pop(request_id, None)
+        if tracker is not None:
+            output.prompt_logprobs[request_id] = tracker.take()
 
     @staticmethod
     def _record(output: ModelRunnerOutput, request_id: str, state: SamplingState, result: VerifyResult) -> None:
@@ -301,6 +321,7 @@ class ModelRunner:
         for request_id in scheduler_output.finished_request_ids:
             self.states.pop(request_id, None)
             self._pending_grammars.pop(request_id, None)
+            self.prompt_logprobs.pop(request_id, None)
         if self.speculator is not None:
             self.speculator.remove(scheduler_output.finished_request_ids)
         for new in scheduler_output.new_requests:
@@ -313,6 +334,9 @@ class ModelRunner:
                 state.grammar = grammar.result()  # NOTE: done: the scheduler admitted it once ready
                 state.grammar.accept(new.output_token_ids)
             self.states[new.request_id] = state
+            if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids:
+                self.prompt_logprobs[new.request_id] = PromptLogprobsState(
+                    len(new.prompt_token_ids), new.sampling_params.prompt_logprobs)
 
     def _state(self, request_id: str) -> SamplingState:
         try:
