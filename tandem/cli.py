@@ -9,9 +9,11 @@ import logging
 import sys
 
 from tandem.config import (
+    DATA_PARALLEL_BACKENDS,
     DEFAULT_MAX_QUEUE_LEN,
     KERNEL_BACKENDS,
     QUANTIZATION_METHODS,
+    ROUTING_POLICIES,
     SELF_QUANT_TYPES,
     SPECULATIVE_METHODS,
     CacheConfig,
@@ -248,7 +250,18 @@ def add_parallel_args(p: argparse.ArgumentParser, listen: bool) -> None:
         p.add_argument("--engine-address", default=None, metavar="tcp://HOST:PORT",
                        help="use the engine core `tandem engine` serves there instead of starting one (--model "
                             "then only names the local folder with the tokenizer and chat template)")
-        p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine cores (only 1 for now)")
+        p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                       help="engine cores behind this server, each on its own CPUs (one per NUMA node where there "
+                            "are several, else the cores split evenly; --cpu-bind 'LIST/LIST/...' gives each its "
+                            "cores); each request goes to one, chosen by --routing-policy (default 1)")
+        p.add_argument("--data-parallel-backend", default="mp", choices=DATA_PARALLEL_BACKENDS,
+                       help="'mp': engine cores are child processes; 'ray': Ray actors in a placement group (one "
+                            "bundle per engine), restarted by Ray, reached over TCP (needs tandem[ray])")
+        p.add_argument("--ray-address", default=None, metavar="ADDR",
+                       help="the Ray cluster to join (default: $RAY_ADDRESS, a running local cluster, or a new one)")
+        p.add_argument("--routing-policy", default="kv-aware", choices=ROUTING_POLICIES,
+                       help="which engine core gets a request with -dp N: 'kv-aware' (most of the prompt cached, "
+                            "minus load; default), 'least-load' (fewest outstanding tokens) or 'round-robin'")
     p.add_argument("--engine-secret-file", default=None, metavar="FILE",
                    help="file holding the shared secret of the engine core (default: $TANDEM_ENGINE_SECRET)")
 
@@ -257,7 +270,10 @@ def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
     """The frozen ParallelConfig of the parsed flags (validation happens in the dataclass)."""
     return ParallelConfig(engine_address=getattr(args, "engine_address", None),
                           listen_address=getattr(args, "listen", None), engine_secret_file=args.engine_secret_file,
-                          data_parallel_size=getattr(args, "data_parallel_size", 1))
+                          data_parallel_size=getattr(args, "data_parallel_size", 1),
+                          data_parallel_backend=getattr(args, "data_parallel_backend", "mp"),
+                          ray_address=getattr(args, "ray_address", None),
+                          routing_policy=getattr(args, "routing_policy", "kv-aware"))
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
@@ -289,11 +305,14 @@ def _add_optional_commands(sub) -> None:
     else:
         add_serve_parser(sub, add_engine_args)
     try:
-        from tandem.router.cli import add_router_parser
+        from tandem.router.cli import add_router_parser, cmd_router
+        from tandem.router.pd import add_pd_args, cmd_pd_router
     except ImportError:
         pass
     else:
-        add_router_parser(sub)
+        router = add_router_parser(sub)
+        add_pd_args(router)
+        router.set_defaults(func=lambda args: (cmd_pd_router if args.prefill or args.decode else cmd_router)(args))
     try:
         from tandem.bench.cli import add_bench_parser
     except ImportError:

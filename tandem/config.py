@@ -419,6 +419,8 @@ class EngineConfig:
 
 
 ENGINE_SECRET_ENV = "TANDEM_ENGINE_SECRET"  # the engine secret when no --engine-secret-file is given
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
+ROUTING_POLICIES = ("round-robin", "least-load", "kv-aware")  # tandem/router/policy.py
 
 
 def parse_tcp_address(address: str) -> tuple[str, int]:
@@ -458,23 +460,39 @@ class ParallelConfig:
     serves one engine core on this ``tcp://host:port``. ``engine_secret_file``: a file holding the
     shared secret (surrounding whitespace stripped); without it the secret comes from the
     ``TANDEM_ENGINE_SECRET`` environment variable, if set. The secret itself is never stored here
-    (``secret()`` reads it). ``data_parallel_size``: engine cores behind one server; only 1 for now.
+    (``secret()`` reads it). ``data_parallel_size``: engine cores behind one server, each request
+    routed to one of them by ``routing_policy`` (``tandem/router/policy.py``).
+    ``data_parallel_backend``: "mp" (child processes of the server, on disjoint CPU sets) or "ray"
+    (Ray actors in a placement group, reached over TCP; ``ray_address`` names the cluster, None =
+    ``ray.init``'s default: ``$RAY_ADDRESS``, a running local cluster, or a new one).
 
     Raises (on creation):
         ConfigError: a malformed address, an unreadable or empty secret file, a non-loopback
-            ``listen_address`` without a secret, or ``data_parallel_size`` other than 1.
+            ``listen_address`` without a secret, ``data_parallel_size`` < 1, an unknown backend or
+            policy, or data parallelism together with ``engine_address``.
     """
 
     engine_address: str | None = None
     listen_address: str | None = None
     engine_secret_file: str | None = None
     data_parallel_size: int = 1
+    data_parallel_backend: str = "mp"
+    ray_address: str | None = None
+    routing_policy: str = "kv-aware"
 
     def __post_init__(self) -> None:
         if not _is_int(self.data_parallel_size) or self.data_parallel_size < 1:
             raise ConfigError(f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}")
-        if self.data_parallel_size > 1:
-            raise ConfigError(f"data_parallel_size {self.data_parallel_size} is not supported yet (only 1)")
+        if self.data_parallel_backend not in DATA_PARALLEL_BACKENDS:
+            raise ConfigError(f"data_parallel_backend must be one of {DATA_PARALLEL_BACKENDS}, "
+                              f"got {self.data_parallel_backend!r}")
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ConfigError(f"routing_policy must be one of {ROUTING_POLICIES}, got {self.routing_policy!r}")
+        if self.ray_address is not None and self.data_parallel_backend != "ray":
+            raise ConfigError("ray_address needs data_parallel_backend 'ray'")
+        if self.engine_address is not None and (self.data_parallel_size > 1 or self.data_parallel_backend != "mp"):
+            raise ConfigError("engine_address serves one remote engine core; it cannot be combined with "
+                              "data_parallel_size > 1 or the ray backend")
         if self.engine_address is not None:
             parse_tcp_address(self.engine_address)
         secret = self.secret()

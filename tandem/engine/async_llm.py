@@ -32,6 +32,7 @@ from tandem.engine.request_log import EngineMetrics, RequestLog
 from tandem.engine.request_stream import ChildState, OutputCollector, PromptState, RequestStream
 from tandem.engine.supervisor import CoreSupervisor, CrashLoopGuard
 from tandem.errors import DuplicateRequestError, EngineDeadError, EngineRequestError
+from tandem.kv_cache.events import KVEventBatch
 from tandem.models.resolve import resolve_model_path
 from tandem.sampling_params import SamplingParams
 
@@ -89,6 +90,9 @@ class AsyncLLM:
         self._num_admitted = 0  # engine requests admitted by handlers and not yet answered by the core
         self._num_tokenizer_jobs = 0
         self._shut_down: EngineDeadError | None = None
+        # Observers for a data-parallel edge (``dp_llm.py``): each step's KV events, and the core's loss.
+        self.on_kv_events: Callable[[KVEventBatch], None] | None = None
+        self.on_core_lost: Callable[[], None] | None = None
 
     @classmethod
     def from_config(
@@ -235,13 +239,13 @@ class AsyncLLM:
     # ---- requests ----
     async def add_request(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-        output_kind: str = "delta", arrival_time: float | None = None,
+        output_kind: str = "delta", arrival_time: float | None = None, on_end: Callable[[], None] | None = None,
     ) -> RequestStream:
         """Sends one prompt (``params.n`` engine requests) to the core and waits for it to be queued.
 
         ``output_kind``: "delta" (new text per output, for streams) or "cumulative".
         ``arrival_time``: ``time.monotonic()`` when the request arrived (TTFT and e2e start there;
-        default: now).
+        default: now). ``on_end``: see ``RequestStream`` (not called when this raises).
 
         Raises:
             DuplicateRequestError: ``request_id`` is in flight already.
@@ -270,7 +274,7 @@ class AsyncLLM:
         except BaseException:
             self._drop(state)  # NOTE: not sent (encoding failed, queue full), refused, or the core died
             raise
-        return RequestStream(state, self.abort)
+        return RequestStream(state, self.abort, on_end)
 
     async def generate(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
@@ -347,6 +351,8 @@ class AsyncLLM:
     async def _on_step(self, client: EngineCoreClient, message: StepOutputs) -> None:
         self.last_stats = message.stats
         self.log.step(message)
+        if message.kv_events is not None and self.on_kv_events is not None:
+            self.on_kv_events(message.kv_events)
         now = time.monotonic()
         known = [o for o in message.outputs if o.request_id in self._children]
         for out in known:
@@ -393,6 +399,8 @@ class AsyncLLM:
         if self._loop_task is not None and self._loop_task is not asyncio.current_task():
             self._loop_task.cancel()
         self.last_stats = CoreStats()
+        if self.on_core_lost is not None:
+            self.on_core_lost()
         if self.metrics is not None:
             self.metrics.clear_gauges()
         for state in list(self._parents.values()):

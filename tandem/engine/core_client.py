@@ -95,11 +95,13 @@ class EngineCoreClient:
     @classmethod
     def start(
         cls, model_dir: Path, config: EngineConfig, log_level: str = "WARNING", cpus: list[int] | None = None,
+        rank: int = 0,
     ) -> EngineCoreClient:
         """Spawns the core process; it loads the model while the caller goes on (see ``wait_ready``).
 
         ``cpus``: the cores the core process may use (default: this process's mask at spawn time; a
-        restarted core passes the mask the server had before it pinned its front end).
+        restarted core passes the mask the server had before it pinned its front end). ``rank``: the
+        data-parallel rank (``run_engine_core``).
         """
         tmp_dir = tempfile.mkdtemp(prefix="tandem-")
         input_addr, output_addr = f"ipc://{tmp_dir}/input", f"ipc://{tmp_dir}/output"
@@ -113,7 +115,7 @@ class EngineCoreClient:
         outputs.bind(output_addr)
         proc = _process_context().Process(
             target=run_engine_core, name="tandem-engine-core", daemon=True,
-            args=(model_dir, config, input_addr, output_addr, os.getpid(), log_level, cpus),
+            args=(model_dir, config, input_addr, output_addr, os.getpid(), log_level, cpus, rank),
         )
         proc.start()
         return cls(proc, ctx, inputs, outputs, tmp_dir)
@@ -121,14 +123,14 @@ class EngineCoreClient:
     @classmethod
     def launch(
         cls, model_dir: Path, config: EngineConfig, log_level: str = "WARNING", cpus: list[int] | None = None,
-        timeout_s: float | None = None,
+        timeout_s: float | None = None, rank: int = 0,
     ) -> EngineCoreClient:
         """``start`` then ``wait_ready`` (blocking); closes the process again if it fails.
 
         Raises:
             EngineCoreStartError: see ``wait_ready``.
         """
-        client = cls.start(model_dir, config, log_level, cpus)
+        client = cls.start(model_dir, config, log_level, cpus, rank)
         try:
             client.wait_ready(timeout_s)
         except BaseException:

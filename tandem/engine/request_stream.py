@@ -18,7 +18,8 @@ from tandem.sampling_params import SamplingParams
 
 def merge_delta(old: RequestOutput, new: RequestOutput) -> RequestOutput:
     """Two consecutive delta outputs of one prompt as one: per completion index, text, token ids and
-    logprobs are concatenated; the finish state and counters are the newer one's."""
+    logprobs are concatenated; the finish state and counters are the newer one's (prompt logprobs: whichever
+    carries them, sent once)."""
     by_index = {c.index: c for c in old.outputs}
     for c in new.outputs:
         prev = by_index.get(c.index)
@@ -28,7 +29,8 @@ def merge_delta(old: RequestOutput, new: RequestOutput) -> RequestOutput:
         logprobs = c.logprobs if prev.logprobs is None or c.logprobs is None else prev.logprobs + c.logprobs
         by_index[c.index] = replace(c, text=prev.text + c.text, token_ids=prev.token_ids + c.token_ids,
                                     logprobs=logprobs)
-    return replace(new, outputs=sorted(by_index.values(), key=lambda c: c.index))
+    return replace(new, outputs=sorted(by_index.values(), key=lambda c: c.index),
+                   prompt_logprobs=old.prompt_logprobs if new.prompt_logprobs is None else new.prompt_logprobs)
 
 
 class OutputCollector:
@@ -104,11 +106,15 @@ class RequestStream:
     Args:
         state: the prompt's front-end state.
         abort: aborts the prompt in the engine (idempotent; no-op once finished).
+        on_end: called after every ``abort`` (which runs when the stream ends in any way: finished,
+            failed, cancelled, or never read), e.g. a router's completion count; must be idempotent.
     """
 
-    def __init__(self, state: PromptState, abort: Callable[[str], None]) -> None:
+    def __init__(self, state: PromptState, abort: Callable[[str], None],
+                 on_end: Callable[[], None] | None = None) -> None:
         self._state = state
         self._abort = abort
+        self._on_end = on_end
 
     @property
     def request_id(self) -> str:
@@ -137,4 +143,8 @@ class RequestStream:
 
     def abort(self) -> None:
         """Stops the request in the engine (frees its KV blocks); no-op once it has finished."""
-        self._abort(self._state.request_id)
+        try:
+            self._abort(self._state.request_id)
+        finally:
+            if self._on_end is not None:
+                self._on_end()

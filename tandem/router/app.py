@@ -6,15 +6,18 @@ streams passed through, ``proxy.py``); ``GET /v1/models`` (the first healthy bac
 as JSON); ``GET /metrics`` (``metrics.py``).
 
 Start-up (``RouterService.start``): each backend's ``GET /load`` is read (Tandem servers answer it)
-for the block size, the KV event endpoint and the cache size; the tokenizer is ``--tokenizer`` or the
-first backend's ``/v1/models`` ``root`` when that is a local path (required for kv-aware); KV event
-subscribers start; the health task probes every backend each ``health_interval_s`` (an ejected one
-only when its ejection time is up, ``health.py``).
+for the block size, the KV event endpoint and the cache size (read again when a backend first
+answers later, or comes back from an ejection: a restarted engine may publish elsewhere); the
+tokenizer is ``--tokenizer`` or (``with_default_tokenizer``, before the server starts) the first
+backend's ``/v1/models`` ``root`` when that is a local path (required for kv-aware); KV event
+subscribers start; the health task probes every backend each ``health_interval_s`` (an ejected
+one only when its ejection time is up, ``health.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from contextlib import asynccontextmanager
@@ -35,6 +38,30 @@ from tandem.router.proxy import DROP_RESPONSE_HEADERS, Router, filter_headers
 logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16  # CacheConfig.block_size
+NO_TOKENIZER = ("the kv-aware policy needs the backends' tokenizer: pass --tokenizer PATH (no backend's "
+                "/v1/models names a local folder)")
+
+
+def with_default_tokenizer(config: RouterConfig) -> RouterConfig:
+    """``config`` with ``tokenizer`` set to the first answering backend's ``/v1/models`` ``root`` when
+    that is a local path and none was given (blocking HTTP, before the server starts).
+
+    Raises:
+        ConfigError: kv-aware and no tokenizer found.
+    """
+    if config.tokenizer is not None:
+        return config
+    for url in config.backends:
+        try:
+            root = httpx.get(f"{url}/v1/models", timeout=config.connect_timeout_s).json()["data"][0].get("root")
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+            continue
+        if isinstance(root, str) and os.path.exists(root):
+            return dataclasses.replace(config, tokenizer=root)
+        break
+    if config.policy == "kv-aware":
+        raise ConfigError(NO_TOKENIZER)
+    return config
 
 
 class RouterService:
@@ -67,7 +94,7 @@ class RouterService:
         self.backends = [HttpBackend(url, cfg, self._ejected(url)) for url in cfg.backends]
         loads = await asyncio.gather(*(b.fetch_load(self.client) for b in self.backends))
         sizes = [x["block_size"] for x in loads if x and isinstance(x.get("block_size"), int)]
-        block_size = cfg.block_size or (sizes[0] if sizes else DEFAULT_BLOCK_SIZE)
+        self.block_size = block_size = cfg.block_size or (sizes[0] if sizes else DEFAULT_BLOCK_SIZE)
         for b in self.backends:
             b.configure(block_size)
             if b.subscriber is not None:
@@ -90,21 +117,15 @@ class RouterService:
         return count
 
     async def _load_tokenizer(self) -> Any | None:
+        """``config.tokenizer`` loaded (None: none; ``run_router`` resolved the default before start).
+
+        Raises:
+            ConfigError: kv-aware without a tokenizer, or one that does not load.
+        """
         path = self.config.tokenizer
         if path is None:
-            for b in self.backends:
-                try:
-                    data = (await self.client.get(f"{b.url}/v1/models", timeout=self.config.connect_timeout_s)).json()
-                    root = data["data"][0].get("root")
-                except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
-                    continue
-                if isinstance(root, str) and os.path.exists(root):
-                    path = root
-                break
-        if path is None:
             if self.config.policy == "kv-aware":
-                raise ConfigError("the kv-aware policy needs the backends' tokenizer: pass --tokenizer PATH "
-                                  "(the first backend's /v1/models names no local folder)")
+                raise ConfigError(NO_TOKENIZER)
             return None
         from tandem.bench.datasets import load_tokenizer
 
@@ -121,12 +142,28 @@ class RouterService:
     async def _check(self, b: HttpBackend) -> None:
         from tandem.router.health import HealthState
 
-        if b.health.state is HealthState.EJECTED and not b.health.due_probe:
+        ejected = b.health.state is HealthState.EJECTED
+        if ejected and not b.health.due_probe:
             return
         ok, reason = await b.probe(self.client)
         if not ok:
             self.metrics.errors.labels(b.url, "probe").inc()
         b.health.on_probe(ok, reason)
+        if ok and (ejected or not b.answered_load):
+            await self._rediscover(b)
+
+    async def _rediscover(self, b: HttpBackend) -> None:
+        """A backend back from an ejection, or up after the router started: its ``/load`` again, and
+        a new KV event subscription when the endpoint moved (its cached blocks start from its snapshot,
+        or empty). Changes: the backend's index and subscriber."""
+        if await b.fetch_load(self.client) is None or not b.events_moved():
+            return
+        if b.subscriber is not None:
+            await b.subscriber.close()
+        b.configure(self.block_size)
+        if b.subscriber is not None:
+            logger.info("backend %s: KV events now from %s", b.url, b.subscriber.endpoint)
+            b.subscriber.start()
 
     async def stop(self) -> None:
         """Stops the health task and the subscribers, closes the client."""
@@ -199,9 +236,14 @@ def build_app(service: RouterService) -> FastAPI:
 
 
 def run_router(config: RouterConfig, log_level: str = "info") -> int:
-    """Serves the router until interrupted (uvicorn on ``config.host:config.port``)."""
+    """Serves the router until interrupted (uvicorn on ``config.host:config.port``).
+
+    Raises:
+        ConfigError: kv-aware and no tokenizer (``with_default_tokenizer``).
+    """
     import uvicorn
 
+    config = with_default_tokenizer(config)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # NOTE: not a line per proxied request
     uvicorn.run(build_app(RouterService(config)), host=config.host, port=config.port,
                 log_level=log_level.lower(), timeout_graceful_shutdown=5)

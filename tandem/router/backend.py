@@ -16,6 +16,8 @@ from tandem.router.kv_subscriber import KVEventSubscriber, endpoint_from_load
 
 logger = logging.getLogger(__name__)
 
+PROBE_READ_TIMEOUT_S = 5.0  # for /health and /load answers
+
 
 class HttpBackend:
     """An HTTP backend (Tandem, vLLM, llama.cpp's server, ...) behind the router.
@@ -42,7 +44,10 @@ class HttpBackend:
                                     clock, on_eject)
         self.subscriber: KVEventSubscriber | None = None
         self.load: dict[str, Any] | None = None
+        self.answered_load = False  # it answered GET /load at least once (any status)
         self.busy_until = 0.0
+        # NOTE: a busy server may take seconds to answer; only failing to connect is quick evidence
+        self._probe_timeout = httpx.Timeout(PROBE_READ_TIMEOUT_S, connect=config.connect_timeout_s)
 
     @property
     def busy(self) -> bool:
@@ -57,9 +62,11 @@ class HttpBackend:
         self.busy_until = self._clock() + max(0.0, min(seconds, 60.0))
 
     async def fetch_load(self, client: httpx.AsyncClient) -> dict[str, Any] | None:
-        """Its ``GET /load`` JSON (None when it is not a Tandem server or does not answer). Changes: ``load``."""
+        """Its ``GET /load`` JSON (None when it is not a Tandem server or does not answer). Changes: ``load``,
+        ``answered_load``."""
         try:
-            r = await client.get(f"{self.url}/load", timeout=self.config.connect_timeout_s)
+            r = await client.get(f"{self.url}/load", timeout=self._probe_timeout)
+            self.answered_load = True
             data = r.json() if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             data = None
@@ -78,6 +85,7 @@ class HttpBackend:
         the backend's block size equals the router's, else the approximate index sized from
         ``/load``'s ``num_kv_blocks``. Changes: ``state.index``, ``subscriber`` (not started)."""
         load = self.load or {}
+        self.subscriber = None
         explicit = dict(self.config.kv_events).get(self.url)
         if load.get("block_size") not in (None, block_size):
             logger.warning("backend %s has block size %s, the router %d: routing on approximate prefixes",
@@ -94,10 +102,19 @@ class HttpBackend:
         if self.config.approx_capacity_blocks is None and isinstance(blocks, int) and blocks > 0:
             self.state.index = ApproxBlockIndex(blocks)
 
+    def events_moved(self) -> bool:
+        """True when ``load`` names another KV event endpoint than the one subscribed (a restarted
+        engine bound a new port, or one discovered late). No state changes."""
+        if dict(self.config.kv_events).get(self.url) is not None:
+            return False
+        found = endpoint_from_load(self.load or {}, self.url)
+        current = self.subscriber.endpoint if self.subscriber is not None else None
+        return found is not None and found[0] != current
+
     async def probe(self, client: httpx.AsyncClient) -> tuple[bool, str]:
         """One active ``GET /health``: (ok, reason). No state changes (the caller reports to ``health``)."""
         try:
-            r = await client.get(f"{self.url}/health", timeout=self.config.connect_timeout_s)
+            r = await client.get(f"{self.url}/health", timeout=self._probe_timeout)
         except httpx.HTTPError as e:
             return False, f"health check: {type(e).__name__}: {e}"
         return r.status_code == 200, f"health check answered {r.status_code}"

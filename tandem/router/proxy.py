@@ -21,7 +21,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -53,6 +53,22 @@ class _Opened:
     response: httpx.Response
     first: bytes
     rest: AsyncIterator[bytes] | None
+
+
+class _RelayResponse(StreamingResponse):
+    """A streamed relay that closes its upstream and completes its ticket however it ends: a client
+    that leaves before the body starts never runs the body generator's ``finally``."""
+
+    def __init__(self, content: AsyncIterator[bytes], status_code: int, headers: dict[str, str],
+                 on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(content, status_code, headers=headers)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
 
 
 def filter_headers(headers: httpx.Headers | Sequence[tuple[str, str]], drop: set[str]) -> list[tuple[str, str]]:
@@ -149,6 +165,11 @@ class Router:
             self.metrics.errors.labels(backend.url, "connect").inc()
             backend.health.on_connect_error(f"{type(e).__name__}: {e}")
             return None
+        except BaseException:  # NOTE: cancelled (the client left): the ticket must still complete
+            self.policy.on_complete(ticket)
+            if upstream is not None:
+                await upstream.aclose()
+            raise
 
     async def _refused(self, backend: HttpBackend, upstream: httpx.Response, ticket: Ticket) -> Response:
         """Reads a 429 / 5xx answer, reports it, and keeps it to relay if nothing else works."""
@@ -185,7 +206,12 @@ class Router:
                 self.policy.on_complete(ticket)
             self._observe_usage(backend, body, ticket)
             return Response(body, upstream.status_code, headers=headers)
-        return StreamingResponse(self._chunks(backend, opened, ticket), upstream.status_code, headers=headers)
+        return _RelayResponse(self._chunks(backend, opened, ticket), upstream.status_code, headers=headers,
+                              on_close=lambda: self._close(opened, ticket))
+
+    async def _close(self, opened: _Opened, ticket: Ticket) -> None:
+        await opened.response.aclose()
+        self.policy.on_complete(ticket)
 
     async def _chunks(self, backend: HttpBackend, opened: _Opened, ticket: Ticket) -> AsyncIterator[bytes]:
         """The body as it comes; a break ends an SSE stream with an error event and ``[DONE]`` (as the

@@ -20,6 +20,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric
 
 from tandem.engine.core_proc import CoreStats
 
@@ -63,11 +64,12 @@ class ServerMetrics:
     """
 
     def __init__(self, model_name: str, core_pid: Callable[[], int | None] | None = None,
-                 instance_id: str = "", kernel_backend: str | None = None) -> None:
+                 instance_id: str = "", kernel_backend: str | None = None, process: bool = True) -> None:
         self.registry = CollectorRegistry()
         self.core_pid = core_pid
         reg, labels, values = self.registry, ["model_name", "instance_id"], (model_name, instance_id)
-        ProcessCollector(registry=reg)  # process_resident_memory_bytes etc. of the front end
+        if process:
+            ProcessCollector(registry=reg)  # process_resident_memory_bytes etc. of the front end
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(f"tandem:{name}", doc, labels, registry=reg).labels(*values)
@@ -160,6 +162,11 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every series (refreshes the core's memory first)."""
+        self.refresh()
+        return generate_latest(self.registry)
+
+    def refresh(self) -> None:
+        """Reads the engine core's resident memory into its gauge (0 without a live core)."""
         pid = self.core_pid() if self.core_pid is not None else None
         rss = 0  # NOTE: no core (or a dead one): nothing resident
         if pid is not None:
@@ -168,4 +175,40 @@ class ServerMetrics:
             except psutil.Error:
                 pass
         self.core_memory.set(rss)
+
+
+class DataParallelMetrics:
+    """The series of N engine cores in one exposition: each engine's ``ServerMetrics`` (``engines``)
+    gets the extra label ``engine`` (its rank); the front end's process series appear once.
+
+    Args:
+        parts: one ``ServerMetrics`` per engine (made with ``process=False``), in rank order.
+    """
+
+    def __init__(self, parts: list[ServerMetrics]) -> None:
+        self.engines = parts
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        self.registry.register(_EngineLabelled(parts))
+
+    def render(self) -> bytes:
+        for part in self.engines:
+            part.refresh()
         return generate_latest(self.registry)
+
+
+class _EngineLabelled:
+    """A prometheus_client collector: every family of the parts' registries, samples labelled by rank."""
+
+    def __init__(self, parts: list[ServerMetrics]) -> None:
+        self.parts = parts
+
+    def collect(self):
+        merged: dict[str, Metric] = {}
+        for rank, part in enumerate(self.parts):
+            for family in part.registry.collect():
+                out = merged.get(family.name)
+                if out is None:
+                    out = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                out.samples.extend(s._replace(labels={**s.labels, "engine": str(rank)}) for s in family.samples)
+        return list(merged.values())

@@ -21,19 +21,22 @@ def cluster(stories_dir, chat_template_file, tmp_path_factory):
     flags = ("--chat-template", str(chat_template_file), "--served-model-name", MODEL)
     backends = [Server(stories_dir, logs / "backend0.log", *flags),
                 Server(stories_dir, logs / "backend1.log", *flags, "--kv-events-config", KV_EVENTS)]
-    router = None
+    # NOTE: the router starts with the backends; it finds them (and backend 1's KV events) when they answer
+    router = RouterProcess([b.url for b in backends], logs / "router.log", "--tokenizer", str(stories_dir),
+                           "--chat-template", str(chat_template_file), "--max-outstanding-per-backend", "1",
+                           "--health-interval", "0.2", "--eject-seconds", "1")
     try:
         for b in backends:
-            b.wait_healthy(300.0)  # NOTE: generous: two servers start at once on a loaded 2-core machine
-        router = RouterProcess([b.url for b in backends], logs / "router.log", "--chat-template",
-                               str(chat_template_file), "--max-outstanding-per-backend", "1",
-                               "--health-interval", "0.2", "--eject-seconds", "1")
+            b.wait_healthy(300.0)  # NOTE: generous: three processes start at once on a loaded 2-core machine
         router.wait_healthy(300.0)
+        deadline = time.monotonic() + 60
+        while [b["state"] for b in httpx.get(f"{router.url}/backends").json()["backends"]] != ["healthy"] * 2:
+            assert time.monotonic() < deadline, router.log()
+            time.sleep(0.1)
         yield router, backends
     finally:
         for p in [router, *backends]:
-            if p is not None:
-                p.stop()
+            p.stop()
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -75,7 +78,7 @@ def test_kv_aware_routes_to_the_backend_whose_events_announced_the_prefix(cluste
     hits = ("tandem_router:routed_hit_blocks_total", (("backend", backends[1].url),))
     assert after[hits] - before[hits] >= 3  # the system prompt's full blocks
     info = httpx.get(f"{router.url}/backends").json()["backends"]
-    assert [b["index"] for b in info] == ["approximate", "kv-events"] and info[1]["kv_events"]["snapshots"] == 1
+    assert [b["index"] for b in info] == ["approximate", "kv-events"] and info[1]["kv_events"]["snapshots"] >= 1
 
 
 def test_429_with_retry_after_when_both_backends_are_full(cluster):
@@ -104,6 +107,7 @@ def test_429_with_retry_after_when_both_backends_are_full(cluster):
 def test_stopped_backend_is_ejected_and_no_request_fails(cluster):
     router, backends = cluster
     stopped = backends[1]
+    ejections = httpx.get(f"{router.url}/backends").json()["backends"][1]["ejections"]
     stopped.stop()
     # the first request may still be sent to it: it is retried on the live backend before its first byte
     # (one at a time: the router caps each backend at one request in flight)
@@ -112,7 +116,7 @@ def test_stopped_backend_is_ejected_and_no_request_fails(cluster):
             for _ in range(6)]
     assert [o.usage.completion_tokens for o in outs] == [4] * 6
     info = {b["url"]: b for b in httpx.get(f"{router.url}/backends").json()["backends"]}
-    assert info[stopped.url]["state"] == "ejected" and info[stopped.url]["ejections"] >= 1
+    assert info[stopped.url]["state"] == "ejected" and info[stopped.url]["ejections"] > ejections
     assert info[backends[0].url]["state"] == "healthy"
     time.sleep(1.5)  # past the first ejection: the half-open probe fails, it stays out
     assert httpx.get(f"{router.url}/backends").json()["backends"][1]["state"] == "ejected"

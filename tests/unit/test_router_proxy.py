@@ -2,6 +2,7 @@
 except the KV-event test's loopback ZeroMQ)."""
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -57,10 +58,13 @@ class Fakes:
         self.calls: list[tuple[str, str]] = []
         self.script = {}
         self.load = load
+        self.down: set[str] = set()  # backends that refuse connections
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
         self.calls.append((base, request.url.path))
+        if base in self.down:
+            raise httpx.ConnectError("connection refused", request=request)
         if request.url.path == "/health":
             return httpx.Response(200)
         if request.url.path == "/load":
@@ -285,5 +289,59 @@ async def test_kv_events_found_in_load_feed_the_index_from_a_snapshot_then_batch
     info = (await client.get("/backends")).json()["backends"][0]
     assert info["index"] == "kv-events" and info["kv_events"]["snapshots"] == 1
     assert info["indexed_blocks"] == len(hashes) and info["routed_prefix_hit_rate"] == 1.0
+    await _stop(service, client)
+    publisher.close()
+
+
+async def test_a_client_gone_before_the_body_starts_leaves_nothing_outstanding():
+    closed = []
+
+    class Tracked(Stream):
+        async def aclose(self):
+            closed.append(True)
+
+    fakes = Fakes()
+    sse = {"content-type": "text/event-stream"}
+    fakes.script = {A: lambda r: httpx.Response(200, stream=Tracked(SSE), headers=sse)}
+    service, client = await _start(fakes, A, max_outstanding_per_backend=1)
+    messages = [{"type": "http.request", "body": json.dumps({**BODY, "stream": True}).encode(), "more_body": False}]
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):
+        raise OSError("the client went away")
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "root_path": "", "query_string": b"", "headers": [(b"content-type", b"application/json")],
+             "server": ("router", 80), "client": ("127.0.0.1", 5)}
+    with contextlib.suppress(Exception):
+        await build_app(service)(scope, receive, send)
+    assert fakes.posts() == [A] and closed == [True]
+    assert service.backends[0].state.outstanding_requests == 0  # the cap of 1 is free again
+    assert (await client.post("/v1/completions", json=BODY)).status_code == 200  # not a 429: the slot is free
+    await _stop(service, client)
+
+
+async def test_a_backend_up_after_the_router_is_discovered_then_subscribed():
+    publisher = KVEventPublisher("tcp://127.0.0.1:*")
+    fakes = Fakes()
+    fakes.down = {A}
+    fakes.script = {A: ok, B: ok}
+    service, client = await _start(fakes, A, B, policy="kv-aware")
+    a = service.backends[0]
+    for _ in range(100):  # the health task's first round
+        if a.health.state is HealthState.EJECTED:
+            break
+        await asyncio.sleep(0.01)
+    assert a.health.state is HealthState.EJECTED and a.subscriber is None and not a.answered_load
+    fakes.down = set()
+    fakes.load[A] = {"block_size": 16, "kv_events": {"endpoint": publisher.endpoint, "topic": ""}}
+    a.health.ejected_until = 0.0  # its ejection time is up
+    await service._check(a)
+    assert a.health.state is HealthState.HALF_OPEN
+    assert a.subscriber is not None and a.subscriber.endpoint == publisher.endpoint
+    assert isinstance(a.state.index, EventBlockIndex)
     await _stop(service, client)
     publisher.close()
