@@ -245,12 +245,16 @@ def _merge_experts(state: dict, num_experts: int) -> dict:
 
 
 def active_weight_bytes(hf_dir: Path) -> int:
-    """Bytes one batch-1 decode step reads: all weights, but only ``top_k / E`` of each MoE expert set."""
+    """Bytes one batch-1 decode step reads: every weight except an untied embedding table (a lookup reads
+    one row), and only ``top_k / E`` of each layer's experts (the MoE roofline's numerator)."""
     cfg = describe(hf_dir)
-    experts, top_k = cfg.get("num_experts") or 0, cfg.get("num_experts_per_tok") or 0
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    top_k = cfg.get("num_experts_per_tok") or 0
+    table = 0 if cfg.get("tie_word_embeddings") else weight_bytes(hf_dir, only="embed_tokens")
     if not experts:
-        return weight_bytes(hf_dir)
-    return weight_bytes(hf_dir, skip=".mlp.experts.") + weight_bytes(hf_dir, only=".mlp.experts.") * top_k // experts
+        return weight_bytes(hf_dir) - table
+    dense = weight_bytes(hf_dir, skip=".mlp.experts.") - table
+    return dense + weight_bytes(hf_dir, only=".mlp.experts.") * top_k // experts
 
 
 def weight_bytes(hf_dir: Path, only: str | None = None, skip: str | None = None) -> int:
