@@ -10,7 +10,7 @@ token count per call (None = any):
 - linear layers: 16 tokens on ``avx512_bf16`` (a streaming GEMV/small-M GEMM; oneDNN's GEMM is faster
   above), any M on ``avx2`` (one batch-invariant kernel for all M).
 - ``paged_attention``: the longest row (query tokens) the kernel attends; longer rows go to SDPA.
-- ``decoder_layer_bf16``: tokens per step (the whole step must fit its linears and its attention).
+- ``decoder_layer``: tokens per step (the whole step must fit its linears and its attention).
 
 Callers ask ``use(op, tokens=T)`` at each call site. Nothing here is cached: the answer follows the
 loaded variant (``configure`` may switch it before a model is built).
@@ -55,7 +55,7 @@ LIMITS: dict[str, dict[str, int | None]] = {
     # dequantize for one oneDNN GEMM above the linear limit; avx2's linears take every M instead
     **{op: _limits(None, _NONE) for op in _DEQUANT_OPS},
     "paged_attention": _limits(16, None),
-    "decoder_layer_bf16": _limits(16, None),
+    "decoder_layer": _limits(16, None),
 }
 
 # What each path is, for the start-up line, /metrics and /version.

@@ -15,7 +15,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "rotate-half rotary embedding of [T, H, D]");
   m.def("rotary_", &rotary_, "in-place rotate-half rotary embedding of [T, H, D] (any token stride)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]");
-  m.def("decoder_layer_bf16", &decoder_layer_bf16, "a whole bf16 pre-norm decoder layer at decode sizes");
+  m.def("decoder_layer", &decoder_layer, "a whole pre-norm decoder layer (bf16 or quantized linears) at decode sizes");
   // Linear kernels (linear_bf16.cpp, linear_quant.cpp): any M, batch invariant; quantized formats
   // quantize the activations to int8 per block of 32 (llama.cpp's AVX2 path).
   m.def("linear_bf16", &linear_bf16, "y = x @ w.T (+ bias), bf16, fp32 FMA", py::arg("x"), py::arg("w"),
