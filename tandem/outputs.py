@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.sampling_params import SamplingParams
 
@@ -106,6 +107,9 @@ class EngineCoreOutput:
     # Speculative decoding, cumulative for this request: drafts verified and drafts accepted (tokens).
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Disaggregated prefill (``tandem/disagg``): what a prefill leg hands to the decode side, or how a
+    # decode leg got its prompt's KV; set on the request's last output only.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -138,3 +142,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's field: see ``EngineCoreOutput``

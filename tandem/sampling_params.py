@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 # A seed must fit torch.Generator.manual_seed (int64); n > 1 children use seed + i, wrapped (see child_seed).
@@ -39,6 +40,9 @@ class SamplingParams:
       ties by arrival time (vLLM semantics); ignored under "fcfs".
     - ``speculative`` (Tandem only) False runs this request without drafts when the engine speculates;
       the output distribution is the same either way, only the speed differs.
+    - ``kv_transfer_params`` (vLLM's disaggregated prefill protocol, ``tandem/disagg``): a JSON object
+      with ``do_remote_decode`` (this is a prefill leg: keep the KV for a decode server) or
+      ``do_remote_prefill`` and the ``remote_*`` fields a prefill leg answered (pull the KV).
 
     Raises:
         ValueError: on any out-of-range value (checked in ``__post_init__``); the server maps it to
@@ -64,6 +68,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     priority: int = 0
     speculative: bool = True  # Tandem: False opts this request out of the engine's speculative decoding
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,6 +101,8 @@ class SamplingParams:
             )
         if not all(isinstance(s, str) for s in self.stop):
             raise SamplingParamsError("stop must be a string or a list of strings", "stop")
+        if self.kv_transfer_params is not None and not isinstance(self.kv_transfer_params, dict):
+            raise SamplingParamsError("kv_transfer_params must be an object", "kv_transfer_params")
 
     def _validate(self) -> None:
         checks = [

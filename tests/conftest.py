@@ -85,6 +85,13 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 #   qwen2        q/k/v biases, tied embeddings
 #   qwen3        q/k norms, head_dim 32 != hidden / heads, saved sharded (model.safetensors.index.json)
 TINY_MODELS = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3")
+# Mixture-of-experts families (tests/parity/test_moe_vs_hf.py), same sizes, 8 experts (4 for Mixtral/Granite):
+#   qwen3_moe   q/k norms, top-2 renormalised (norm_topk_prob)
+#   qwen2_moe   shared expert with its sigmoid gate, top-3 not renormalised, layer 1 dense (mlp_only_layers)
+#   mixtral     block_sparse_moe.experts.N.w1/w2/w3 names
+#   olmoe       q/k norms over the whole projection, clip_qkv
+#   granitemoe  embedding / residual / attention multipliers, logits scaling, top-k-then-softmax router
+TINY_MOE_MODELS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe")
 TINY_VOCAB = 128
 _TINY_COMMON = dict(
     vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -109,7 +116,25 @@ def _tiny_config(name: str):
         return tf.Qwen2Config(**_TINY_COMMON, tie_word_embeddings=True)
     if name == "qwen3":
         return tf.Qwen3Config(**_TINY_COMMON, head_dim=32, tie_word_embeddings=False)
-    raise ValueError(f"unknown tiny model {name!r}; choose from {TINY_MODELS}")
+    moe = {k: v for k, v in _TINY_COMMON.items() if k != "intermediate_size"}
+    if name == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**moe, intermediate_size=96, moe_intermediate_size=32, head_dim=32, num_experts=8,
+                                 num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False)
+    if name == "qwen2_moe":
+        return tf.Qwen2MoeConfig(**moe, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                 shared_expert_intermediate_size=48, num_experts_per_tok=3, mlp_only_layers=[1],
+                                 tie_word_embeddings=False)
+    if name == "mixtral":
+        return tf.MixtralConfig(**moe, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                                tie_word_embeddings=False)
+    if name == "olmoe":
+        return tf.OlmoeConfig(**moe, intermediate_size=48, num_experts=8, num_experts_per_tok=2, clip_qkv=0.5,
+                              tie_word_embeddings=False)
+    if name == "granitemoe":
+        return tf.GraniteMoeConfig(**moe, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                                   embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
+                                   logits_scaling=8.0, tie_word_embeddings=False)
+    raise ValueError(f"unknown tiny model {name!r}; choose from {TINY_MODELS + TINY_MOE_MODELS}")
 
 
 def build_tiny_checkpoint(name: str, out_dir: Path) -> Path:

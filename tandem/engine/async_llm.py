@@ -32,6 +32,7 @@ from tandem.engine.request_log import EngineMetrics, RequestLog
 from tandem.engine.request_stream import ChildState, OutputCollector, PromptState, RequestStream
 from tandem.engine.supervisor import CoreSupervisor, CrashLoopGuard
 from tandem.errors import DuplicateRequestError, EngineDeadError, EngineRequestError
+from tandem.kv_cache.events import KVEventBatch
 from tandem.models.resolve import resolve_model_path
 from tandem.sampling_params import SamplingParams
 
@@ -89,6 +90,9 @@ class AsyncLLM:
         self._num_admitted = 0  # engine requests admitted by handlers and not yet answered by the core
         self._num_tokenizer_jobs = 0
         self._shut_down: EngineDeadError | None = None
+        # Observers for a data-parallel edge (``dp_llm.py``): each step's KV events, and the core's loss.
+        self.on_kv_events: Callable[[KVEventBatch], None] | None = None
+        self.on_core_lost: Callable[[], None] | None = None
 
     @classmethod
     def from_config(
@@ -165,12 +169,15 @@ class AsyncLLM:
 
     def load(self) -> dict[str, Any]:
         """Machine-readable load for routers: engine requests running and waiting (the core's queue plus
-        those admitted here), KV cache usage (0..1), block size (tokens) and this server's instance id."""
+        those admitted here), KV cache usage (0..1), block size (tokens), this server's instance id, and
+        where the core publishes KV events (``kv_events``: endpoint, replay_endpoint, topic; None: it
+        does not)."""
         stats = self.last_stats
         return {"instance_id": self.instance_id, "running": stats.num_running,
                 "waiting": stats.num_waiting + self._num_admitted, "kv_cache_usage": stats.kv_cache_usage,
                 "block_size": self.block_size, "num_kv_blocks": getattr(self.client, "num_blocks", 0),
-                "max_queue_len": self.max_queue_len, "healthy": self.is_healthy}
+                "max_queue_len": self.max_queue_len, "healthy": self.is_healthy,
+                "kv_events": getattr(self.client, "kv_events", None)}
 
     @contextmanager
     def admitted(self, num_requests: int) -> Iterator[None]:
@@ -232,13 +239,13 @@ class AsyncLLM:
     # ---- requests ----
     async def add_request(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-        output_kind: str = "delta", arrival_time: float | None = None,
+        output_kind: str = "delta", arrival_time: float | None = None, on_end: Callable[[], None] | None = None,
     ) -> RequestStream:
         """Sends one prompt (``params.n`` engine requests) to the core and waits for it to be queued.
 
         ``output_kind``: "delta" (new text per output, for streams) or "cumulative".
         ``arrival_time``: ``time.monotonic()`` when the request arrived (TTFT and e2e start there;
-        default: now).
+        default: now). ``on_end``: see ``RequestStream`` (not called when this raises).
 
         Raises:
             DuplicateRequestError: ``request_id`` is in flight already.
@@ -267,7 +274,7 @@ class AsyncLLM:
         except BaseException:
             self._drop(state)  # NOTE: not sent (encoding failed, queue full), refused, or the core died
             raise
-        return RequestStream(state, self.abort)
+        return RequestStream(state, self.abort, on_end)
 
     async def generate(
         self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
@@ -344,6 +351,8 @@ class AsyncLLM:
     async def _on_step(self, client: EngineCoreClient, message: StepOutputs) -> None:
         self.last_stats = message.stats
         self.log.step(message)
+        if message.kv_events is not None and self.on_kv_events is not None:
+            self.on_kv_events(message.kv_events)
         now = time.monotonic()
         known = [o for o in message.outputs if o.request_id in self._children]
         for out in known:
@@ -367,8 +376,11 @@ class AsyncLLM:
                 self.log.finished(state)
 
     def _on_step_failed(self, message: StepFailed) -> None:
-        """Ends the prompts of a failed (rolled-back) step with a 500; the core serves on."""
-        error = EngineRequestError(500, f"the engine step failed: {message.message.splitlines()[0]}")
+        """Ends the prompts of a failed (rolled-back) step with a 500, or of a failed KV transfer with
+        its status (503); the core serves on."""
+        text = message.message.splitlines()[0]
+        error = EngineRequestError(500, f"the engine step failed: {text}") if message.status == 500 \
+            else EngineRequestError(message.status, text, QUEUE_FULL_RETRY_AFTER_S)
         for parent_id in {self._children[c].parent.request_id for c in message.request_ids if c in self._children}:
             state = self._parents[parent_id]
             self.client.abort_requests(state.live_child_ids)  # NOTE: its other children may still run
@@ -387,6 +399,8 @@ class AsyncLLM:
         if self._loop_task is not None and self._loop_task is not asyncio.current_task():
             self._loop_task.cancel()
         self.last_stats = CoreStats()
+        if self.on_core_lost is not None:
+            self.on_core_lost()
         if self.metrics is not None:
             self.metrics.clear_gauges()
         for state in list(self._parents.values()):

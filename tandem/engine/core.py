@@ -8,6 +8,7 @@ engines can live in one process: each has its own KV cache and its own sampling 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -16,6 +17,7 @@ from typing import Protocol
 
 from tandem.config import EngineConfig
 from tandem.errors import EngineStepError
+from tandem.kv_cache.events import EventRecorder, KVEventBatch, snapshot_batch
 from tandem.kv_cache.storage import plan_num_blocks
 from tandem.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tandem.request import Request
@@ -41,6 +43,25 @@ class KVConnector(Protocol):
     def ready_request_ids(self) -> list[str]:
         """Ids whose remote KV has been written since the last call (each reported once)."""
         ...
+
+
+class RequestKVConnector(KVConnector, Protocol):
+    """A connector that also sees requests come and go (``tandem.disagg.connector.TandemConnector``):
+    it may take a new request itself (``add_request`` True), hears of aborts, annotates finished
+    outputs (``kv_transfer_params``), lists requests it ended (``failed``: (id, why), drained by the
+    engine) and has counters (``stats``)."""
+
+    failed: list[tuple[str, str]]
+
+    def add_request(self, request: Request) -> bool: ...
+
+    def abort_requests(self, request_ids: list[str]) -> None: ...
+
+    def on_outputs(self, outputs: list[EngineCoreOutput]) -> None: ...
+
+    def stats(self) -> dict[str, float]: ...
+
+    def close(self) -> None: ...
 
 
 def build_scheduler(config: EngineConfig, runner: ModelRunner, clock: Callable[[], float] = time.monotonic
@@ -99,11 +120,22 @@ class EngineCore:
         self.config = config
         self.runner = runner if runner is not None else ModelRunner(model_dir, config, progress=progress)
         self.scheduler = scheduler if scheduler is not None else build_scheduler(config, self.runner, clock)
+        if kv_connector is None and config.kv_transfer is not None:
+            from tandem.disagg.connector import TandemConnector
+
+            kv_connector = TandemConnector(config.kv_transfer, self.runner, self.scheduler, clock)
         self.kv_connector = kv_connector
+        # NOTE: only a RequestKVConnector sees requests; a plain KVConnector is only polled.
+        self._request_connector = kv_connector if hasattr(kv_connector, "add_request") else None
         self.clock = clock
         self.num_blocks = self.scheduler.kv_cache_manager.num_blocks
         self.max_model_len = min(self.runner.max_model_len, self.scheduler.max_model_len)
         self._last_check = float("-inf")
+        # NOTE: attached before the first step, so the recorder sees the pool's map from empty.
+        self.kv_events: EventRecorder | None = None
+        if config.kv_events is not None and config.kv_events.enable_kv_cache_events:
+            self.kv_events = EventRecorder(self.scheduler.block_size)
+            self.scheduler.kv_cache_manager.block_pool.events = self.kv_events
         logger.info(
             "engine ready in %.1f s: %d KV blocks of %d tokens (%d tokens), max_model_len %d",
             time.monotonic() - t0, self.num_blocks, self.scheduler.block_size,
@@ -123,11 +155,28 @@ class EngineCore:
             ContextLengthExceededError: the prompt is longer than the context.
             ValueError: the request can never fit in the KV cache.
         """
-        self.scheduler.add_request(request)
+        if self._request_connector is None or not self._request_connector.add_request(request):
+            self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Stops these requests and frees their KV blocks at once; unknown ids are ignored."""
-        self.scheduler.abort_requests(list(request_ids))
+        ids = list(request_ids)
+        self.scheduler.abort_requests(ids)
+        if self._request_connector is not None:
+            self._request_connector.abort_requests(ids)
+
+    def take_failed_requests(self) -> list[tuple[str, str]]:
+        """(request id, why) of the requests the KV connector ended since the last call (they need an
+        error answer, HTTP 503). Changes: empties the connector's list."""
+        if self._request_connector is None:
+            return []
+        failed, self._request_connector.failed = self._request_connector.failed, []
+        return failed
+
+    def close(self) -> None:
+        """Closes the KV connector's sockets and thread (if any)."""
+        if self._request_connector is not None:
+            self._request_connector.close()
 
     def step(self) -> list[EngineCoreOutput]:
         """Runs one engine step: schedule, one forward pass, update. Returns new tokens per request.
@@ -147,13 +196,18 @@ class EngineCore:
             if not self.scheduler.has_unfinished_requests():
                 self.on_idle()
             return []
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self._request_connector is not None:
+            self._request_connector.on_outputs(outputs)
+        return outputs
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         try:
             return self.runner.execute(scheduler_output)
         except BaseException as exc:
             failed = self.scheduler.abort_step(scheduler_output)
+            if self._request_connector is not None:
+                self._request_connector.abort_requests(failed)
             if not isinstance(exc, Exception):
                 raise
             logger.exception("engine step failed; aborted %d request(s): %s", len(failed), failed)
@@ -170,10 +224,11 @@ class EngineCore:
         """Housekeeping for a loop with no work: expires KV leases and, at most once per
         ``IDLE_CHECK_INTERVAL_S`` seconds, runs ``Scheduler.check`` (which includes the KV manager's).
 
-        Changes: frees the blocks of expired leases.
+        Changes: frees the blocks of expired leases; the KV connector serves and applies transfers.
         Raises:
             AssertionError: the integrity check failed (a leak or a corrupted cache: a bug).
         """
+        self._poll_connector()
         self.scheduler.kv_cache_manager.expire_leases()
         now = self.clock()
         if now - self._last_check < IDLE_CHECK_INTERVAL_S:
@@ -185,10 +240,23 @@ class EngineCore:
             logger.exception("engine integrity check failed")
             raise
 
+    def take_kv_events(self, engine_id: str = "") -> KVEventBatch | None:
+        """The prefix-cache events since the last call (``kv_cache/events.py``), or None when there were
+        none or events are off. Changes: empties the recorder."""
+        return None if self.kv_events is None else self.kv_events.take(engine_id)
+
+    def kv_snapshot(self, engine_id: str = "") -> KVEventBatch:
+        """Every hash in the prefix cache as one batch (``snapshot_batch``). Changes nothing."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        return snapshot_batch(pool.cached_hashes(), self.scheduler.block_size, engine_id)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def stats(self) -> SchedulerStats:
         """The metrics snapshot (``SchedulerStats``, with the proposer's counters). Changes nothing."""
         speculator = self.runner.speculator
-        return self.scheduler.make_stats(speculator.stats() if speculator is not None else None)
+        stats = self.scheduler.make_stats(speculator.stats() if speculator is not None else None)
+        if self._request_connector is not None:
+            stats = dataclasses.replace(stats, kv_transfer=self._request_connector.stats())
+        return stats

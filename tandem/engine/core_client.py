@@ -90,15 +90,18 @@ class EngineCoreClient:
         self._watch: tuple[asyncio.AbstractEventLoop, int] | None = None
         self.kernel_backend = "torch"  # the core's kernel path (``tandem/kernels/registry.py``), from Ready
         self.kernel_message = ""
+        self.kv_events: dict[str, str] | None = None  # where the core publishes KV events, from Ready
 
     @classmethod
     def start(
         cls, model_dir: Path, config: EngineConfig, log_level: str = "WARNING", cpus: list[int] | None = None,
+        rank: int = 0,
     ) -> EngineCoreClient:
         """Spawns the core process; it loads the model while the caller goes on (see ``wait_ready``).
 
         ``cpus``: the cores the core process may use (default: this process's mask at spawn time; a
-        restarted core passes the mask the server had before it pinned its front end).
+        restarted core passes the mask the server had before it pinned its front end). ``rank``: the
+        data-parallel rank (``run_engine_core``).
         """
         tmp_dir = tempfile.mkdtemp(prefix="tandem-")
         input_addr, output_addr = f"ipc://{tmp_dir}/input", f"ipc://{tmp_dir}/output"
@@ -112,7 +115,7 @@ class EngineCoreClient:
         outputs.bind(output_addr)
         proc = _process_context().Process(
             target=run_engine_core, name="tandem-engine-core", daemon=True,
-            args=(model_dir, config, input_addr, output_addr, os.getpid(), log_level, cpus),
+            args=(model_dir, config, input_addr, output_addr, os.getpid(), log_level, cpus, rank),
         )
         proc.start()
         return cls(proc, ctx, inputs, outputs, tmp_dir)
@@ -120,14 +123,14 @@ class EngineCoreClient:
     @classmethod
     def launch(
         cls, model_dir: Path, config: EngineConfig, log_level: str = "WARNING", cpus: list[int] | None = None,
-        timeout_s: float | None = None,
+        timeout_s: float | None = None, rank: int = 0,
     ) -> EngineCoreClient:
         """``start`` then ``wait_ready`` (blocking); closes the process again if it fails.
 
         Raises:
             EngineCoreStartError: see ``wait_ready``.
         """
-        client = cls.start(model_dir, config, log_level, cpus)
+        client = cls.start(model_dir, config, log_level, cpus, rank)
         try:
             client.wait_ready(timeout_s)
         except BaseException:
@@ -154,12 +157,17 @@ class EngineCoreClient:
             raise EngineCoreStartError(f"the engine core failed to start: {message.message}")
         if not isinstance(message, Ready):
             raise EngineCoreStartError(f"unexpected first message from the engine core: {message!r}")
-        self.max_model_len = message.max_model_len
-        self.num_blocks = message.num_blocks
-        self.block_size = message.block_size
-        self.kernel_backend, self.kernel_message = message.kernel_backend, message.kernel_message
+        self.take_ready(message)
         logger.info("engine core pid %d ready: max_model_len %d, %d KV blocks",
                     self.proc.pid, self.max_model_len, self.num_blocks)
+
+    def take_ready(self, ready: Ready) -> None:
+        """Records the core's limits, kernel path and KV events endpoints from its ``Ready``."""
+        self.max_model_len, self.num_blocks, self.block_size = ready.max_model_len, ready.num_blocks, ready.block_size
+        self.kernel_backend, self.kernel_message = ready.kernel_backend, ready.kernel_message
+        self.kv_events = None if not ready.kv_events_endpoint else {
+            "endpoint": ready.kv_events_endpoint, "replay_endpoint": ready.kv_events_replay_endpoint,
+            "topic": ready.kv_events_topic}
 
     @property
     def pid(self) -> int | None:

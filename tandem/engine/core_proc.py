@@ -24,6 +24,7 @@ import zmq
 
 from tandem.config import EngineConfig
 from tandem.errors import DuplicateRequestError, EngineStepError
+from tandem.kv_cache.events import KVEventBatch, KVEventPublisher
 from tandem.outputs import EngineCoreOutput
 from tandem.request import Request
 from tandem.sampling_params import SamplingParams
@@ -31,6 +32,7 @@ from tandem.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 500  # how often an idle core checks that its parent is still alive
+STALLED_POLL_MS = 50  # longest wait of a core whose requests all wait (remote KV, free blocks, leases)
 
 
 # ---- front end -> core ----
@@ -79,6 +81,9 @@ class Ready(msgspec.Struct, tag="ready"):
     vocab_size: int = 0
     kernel_backend: str = "torch"
     kernel_message: str = ""
+    kv_events_endpoint: str = ""  # where the core publishes KV events ("" = it does not; kv_cache/events.py)
+    kv_events_replay_endpoint: str = ""
+    kv_events_topic: str = ""
 
 
 class AddResult(msgspec.Struct, tag="add_result"):
@@ -107,6 +112,7 @@ class CoreStats(msgspec.Struct):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+    kv_transfer: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):
@@ -120,6 +126,7 @@ class StepOutputs(msgspec.Struct, tag="outputs"):
     stats: CoreStats
     num_batched_tokens: int = 0
     queue_times: dict[str, float] = msgspec.field(default_factory=dict)
+    kv_events: KVEventBatch | None = None  # the step's prefix-cache events, when the core records them
 
 
 class CoreFailed(msgspec.Struct, tag="failed"):
@@ -132,6 +139,7 @@ class StepFailed(msgspec.Struct, tag="step_failed"):
 
     request_ids: list[str]
     message: str
+    status: int = 500  # the HTTP status of the error (503: a KV transfer failed under the "fail" policy)
 
 
 OutputMessage = Ready | AddResult | StepOutputs | CoreFailed | StepFailed
@@ -150,10 +158,14 @@ class EngineCoreProc:
         parent_pid: the pid of this process's parent (the front end, or the fork server it started);
             the loop exits once the parent is gone (the fork server leaves when the front end does).
         max_queue_len: waiting-queue bound (0 = unbounded); beyond it adds are answered 429.
+        kv_publisher: publishes each step's KV events and answers snapshot / replay requests (None:
+            events, if the core records them, only travel in ``StepOutputs.kv_events``).
+        engine_id: the ``engine_id`` of the KV event batches (the data-parallel rank).
     """
 
     def __init__(
-        self, core: Any, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int, max_queue_len: int
+        self, core: Any, inputs: zmq.Socket, outputs: zmq.Socket, parent_pid: int, max_queue_len: int,
+        kv_publisher: KVEventPublisher | None = None, engine_id: str = "0",
     ) -> None:
         self.core = core
         self.inputs = inputs
@@ -166,6 +178,13 @@ class EngineCoreProc:
         self.unscheduled: set[str] = set()  # live requests not yet scheduled once (queue time pending)
         self.poller = zmq.Poller()
         self.poller.register(inputs, zmq.POLLIN)
+        for sock in getattr(getattr(core, "kv_connector", None), "sockets", ()):  # NOTE: KV transfers wake it too
+            self.poller.register(sock, zmq.POLLIN)
+        self.stalled = False  # the last step scheduled nothing (requests wait for remote KV or blocks)
+        self.kv_publisher = kv_publisher
+        self.engine_id = engine_id
+        if kv_publisher is not None and kv_publisher.poll_socket is not None:
+            self.poller.register(kv_publisher.poll_socket, zmq.POLLIN)  # NOTE: a snapshot request wakes the loop
 
     def send(self, message: OutputMessage) -> None:
         self.outputs.send(self.encoder.encode(message), copy=False)
@@ -174,15 +193,19 @@ class EngineCoreProc:
         """Loops until ``Shutdown`` or the parent's death. Changes: the engine's queues and cache."""
         while True:
             busy = self.core.has_unfinished_requests()
-            handled, stop = self.drain_inputs(0 if busy else IDLE_POLL_MS)
+            timeout = (STALLED_POLL_MS if self.stalled else 0) if busy else IDLE_POLL_MS
+            handled, stop = self.drain_inputs(timeout)
             if stop or os.getppid() != self.parent_pid:
                 return
             if self.core.has_unfinished_requests():
                 self.step()
             else:
-                self.core.on_idle()  # lease expiry and a rate-limited integrity check
+                self.stalled = False
+                self.core.on_idle()  # KV transfers, lease expiry and a rate-limited integrity check
+                self.send_failed()
                 if handled:
                     self.send(StepOutputs([], self.stats()))
+            self.serve_kv_requests()
 
     def drain_inputs(self, timeout_ms: int) -> tuple[bool, bool]:
         """Handles every queued input message. Returns (handled any, shutdown requested)."""
@@ -264,8 +287,20 @@ class EngineCoreProc:
             self.abort(e.request_ids)
             cause = e.__cause__ if e.__cause__ is not None else e
             self.send(StepFailed(list(e.request_ids), f"{type(cause).__name__}: {cause}"))
+            kv_events = self.take_kv_events()  # NOTE: the step may have evicted cached blocks
+            if kv_events is not None:
+                self.send(StepOutputs([], self.stats(), kv_events=kv_events))
             return
+        self.send_failed()
         num_tokens = sum(max(0, r.num_computed_tokens - before[rid]) for rid, r in self.live.items())
+        self.stalled = num_tokens == 0 and not outputs
+        if self.stalled:
+            # NOTE: nothing ran; the loop waits for an input or a KV transfer to finish. Blocks whose
+            # remote KV arrived may have entered the prefix cache: their events still go out.
+            kv_events = self.take_kv_events()
+            if kv_events is not None:
+                self.send(StepOutputs([], self.stats(), kv_events=kv_events))
+            return
         queue_times = {}
         for rid in list(self.unscheduled):
             request = self.live[rid]
@@ -276,7 +311,27 @@ class EngineCoreProc:
             if out.finish_reason is not None:
                 self.live.pop(out.request_id, None)
                 self.unscheduled.discard(out.request_id)
-        self.send(StepOutputs(outputs, self.stats(), num_tokens, queue_times))
+        self.send(StepOutputs(outputs, self.stats(), num_tokens, queue_times, self.take_kv_events()))
+
+    def take_kv_events(self) -> KVEventBatch | None:
+        """The core's KV events since the last call, published on the way (None: none, or events off)."""
+        batch = self.core.take_kv_events(self.engine_id) if hasattr(self.core, "take_kv_events") else None
+        if batch is not None and self.kv_publisher is not None:
+            self.kv_publisher.publish(batch)
+        return batch
+
+    def serve_kv_requests(self) -> None:
+        """Answers queued KV snapshot / replay requests (``kv_cache/events.py``) between steps."""
+        if self.kv_publisher is not None:
+            self.kv_publisher.serve_requests(lambda: self.core.kv_snapshot(self.engine_id))
+
+    def send_failed(self) -> None:
+        """Ends the requests the KV connector gave up on (503 each)."""
+        take = getattr(self.core, "take_failed_requests", None)  # NOTE: only an EngineCore has a connector
+        for rid, message in take() if take is not None else ():
+            self.live.pop(rid, None)
+            self.unscheduled.discard(rid)
+            self.send(StepFailed([rid], message, 503))
 
     def stats(self) -> CoreStats:
         return msgspec.convert(self.core.stats(), CoreStats, from_attributes=True)
@@ -291,10 +346,11 @@ def _error_code(e: ValueError) -> str:
 
 def run_engine_core(
     model_dir: Path, config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int, log_level: str,
-    cpus: list[int] | None = None,
+    cpus: list[int] | None = None, rank: int = 0,
 ) -> None:
     """Entry point of the spawned engine-core process (see the module docstring). ``cpus``: the
-    affinity mask to take before anything else (None: keep the inherited one).
+    affinity mask to take before anything else (None: keep the inherited one). ``rank``: the
+    data-parallel rank (the KV events' ``engine_id`` and endpoint offset, ``KVEventsConfig.for_rank``).
 
     SIGINT and SIGTERM are ignored: the front end drains in-flight requests on SIGTERM and then
     sends ``Shutdown``; the process also leaves on its own when the front end dies.
@@ -312,18 +368,23 @@ def run_engine_core(
     outputs.connect(output_addr)
     encoder = make_encoder()
     ready = False
+    publisher = None
     try:
         from tandem.engine.core import EngineCore
 
         t0 = time.monotonic()
+        # NOTE: bound before the model loads, so an endpoint in use fails at once.
+        publisher = KVEventPublisher.from_config(config.kv_events, rank) if config.kv_events else None
         core = EngineCore(model_dir, config)
         logger.info("engine core (pid %d) ready in %.1f s", os.getpid(), time.monotonic() - t0)
-        kernels = core.runner.kernel_status
-        outputs.send(encoder.encode(Ready(core.max_model_len, getattr(core, "num_blocks", 0), config.cache.block_size,
-                                          kernel_backend=kernels.backend, kernel_message=kernels.message)))
+        outputs.send(encoder.encode(make_ready(core, config, publisher)))
         ready = True
         # NOTE: the parent may be the front end's fork server (see core_client), not the front end.
-        EngineCoreProc(core, inputs, outputs, os.getppid(), config.scheduler.max_queue_len).run()
+        try:
+            EngineCoreProc(core, inputs, outputs, os.getppid(), config.scheduler.max_queue_len, publisher,
+                           str(rank)).run()
+        finally:
+            core.close()
     except Exception as e:
         # NOTE: a bad flag or model while loading (ValueError, FileNotFoundError) is the user's to fix:
         # the front end prints the one-line message. Anything else is a bug: its traceback is logged
@@ -333,6 +394,19 @@ def run_engine_core(
         outputs.send(encoder.encode(CoreFailed(f"{type(e).__name__}: {e}")))
         raise SystemExit(1) from e
     finally:
+        if publisher is not None:
+            publisher.close()
         outputs.close(linger=1000)
         inputs.close(linger=0)  # NOTE: every socket must be closed, or ctx.term() waits forever
         ctx.term()
+
+
+def make_ready(core: Any, config: EngineConfig, publisher: KVEventPublisher | None, model: str = "",
+               vocab_size: int = 0) -> Ready:
+    """The ``Ready`` message of a loaded core: its limits, kernel path and KV events endpoints."""
+    kernels = core.runner.kernel_status
+    events = {} if publisher is None else {
+        "kv_events_endpoint": publisher.endpoint, "kv_events_replay_endpoint": publisher.replay_endpoint or "",
+        "kv_events_topic": publisher.topic.decode()}
+    return Ready(core.max_model_len, getattr(core, "num_blocks", 0), config.cache.block_size, model, vocab_size,
+                 kernels.backend, kernels.message, **events)

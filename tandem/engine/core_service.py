@@ -34,6 +34,7 @@ from tandem.engine.core_proc import (
     OutputMessage,
     Ready,
     StepOutputs,
+    make_ready,
 )
 from tandem.engine.handshake import (
     HEARTBEAT_INTERVAL_S,
@@ -45,6 +46,7 @@ from tandem.engine.handshake import (
     Proof,
     Refused,
 )
+from tandem.kv_cache.events import KVEventPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +66,9 @@ class EngineCoreService(EngineCoreProc):
         max_queue_len: waiting-queue bound (0 = unbounded); beyond it adds are answered 429.
     """
 
-    def __init__(self, core: Any, sock: zmq.Socket, gate: PeerGate, ready: Ready, max_queue_len: int) -> None:
-        super().__init__(core, sock, sock, 0, max_queue_len)
+    def __init__(self, core: Any, sock: zmq.Socket, gate: PeerGate, ready: Ready, max_queue_len: int,
+                 kv_publisher: KVEventPublisher | None = None, engine_id: str = "0") -> None:
+        super().__init__(core, sock, sock, 0, max_queue_len, kv_publisher, engine_id)
         self.gate = gate
         self.ready = ready
         self.decoder = msgspec.msgpack.Decoder(ServiceInput)
@@ -112,6 +115,7 @@ class EngineCoreService(EngineCoreProc):
                 self.core.on_idle()
                 if handled:
                     self.send(StepOutputs([], self.stats()))
+            self.serve_kv_requests()
 
     def tend_peer(self) -> None:
         """Drops a silent peer; sends a heartbeat after ``HEARTBEAT_INTERVAL_S`` of silence."""
@@ -183,10 +187,11 @@ def bind_router(ctx: zmq.Context, address: str) -> zmq.Socket:
     return sock
 
 
-def serve_engine(model_dir: Path, config: EngineConfig, parallel: ParallelConfig) -> int:
+def serve_engine(model_dir: Path, config: EngineConfig, parallel: ParallelConfig, rank: int = 0) -> int:
     """Binds ``parallel.listen_address``, loads the model, serves front ends until SIGTERM/SIGINT.
 
-    Returns 0 after a signal, 1 when the address cannot be bound (after printing why).
+    Returns 0 after a signal, 1 when the address cannot be bound (after printing why). ``rank``: the
+    data-parallel rank (KV events' ``engine_id`` and endpoint offset).
 
     Raises:
         ValueError / FileNotFoundError: a bad config or model (the CLI prints them and exits 2).
@@ -201,22 +206,31 @@ def serve_engine(model_dir: Path, config: EngineConfig, parallel: ParallelConfig
             print(f"tandem: error: cannot listen on {parallel.listen_address}: {e}", file=sys.stderr)
             return 1
         try:
-            return _serve_bound(sock, gate, model_dir, config, parallel.listen_address)
+            return _serve_bound(sock, gate, model_dir, config, parallel.listen_address, rank)
         finally:
             sock.close(linger=1000)
     finally:
         ctx.term()
 
 
-def _serve_bound(sock: zmq.Socket, gate: PeerGate, model_dir: Path, config: EngineConfig, address: str) -> int:
+def _serve_bound(sock: zmq.Socket, gate: PeerGate, model_dir: Path, config: EngineConfig, address: str,
+                 rank: int = 0) -> int:
     from tandem.engine.core import EngineCore
 
     t0 = time.monotonic()
-    core = EngineCore(model_dir, config)
-    kernels = core.runner.kernel_status
-    ready = Ready(core.max_model_len, getattr(core, "num_blocks", 0), config.cache.block_size,
-                  model_dir.name, core.runner.hf_config.vocab_size, kernels.backend, kernels.message)
-    service = EngineCoreService(core, sock, gate, ready, config.scheduler.max_queue_len)
+    publisher = KVEventPublisher.from_config(config.kv_events, rank) if config.kv_events else None
+    try:
+        core = EngineCore(model_dir, config)
+        ready = make_ready(core, config, publisher, model_dir.name, core.runner.hf_config.vocab_size)
+        service = EngineCoreService(core, sock, gate, ready, config.scheduler.max_queue_len, publisher, str(rank))
+        return _run_service(service, gate, address, t0)
+    finally:
+        if publisher is not None:
+            publisher.close()
+
+
+def _run_service(service: EngineCoreService, gate: PeerGate, address: str, t0: float) -> int:
+    """Serves until SIGTERM/SIGINT (0) or until the engine fails (1, after telling the peer)."""
 
     def _stop(signum: int, frame: FrameType | None) -> None:
         service.stopping = True

@@ -143,6 +143,7 @@ class _ParentState:
         self.output_kind = output_kind
         self.children: dict[int, _ChildState] = {}
         self.num_cached_tokens = 0
+        self.kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -163,6 +164,7 @@ class _ParentState:
             outputs=outputs,
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
 
@@ -236,6 +238,8 @@ class OutputProcessor:
                 processed.reqs_to_abort.append(child.request_id)
             parent = child.parent
             parent.num_cached_tokens = max(parent.num_cached_tokens, output.num_cached_tokens)
+            if output.kv_transfer_params is not None:
+                parent.kv_transfer_params = output.kv_transfer_params
             changed[parent.parent_id] = parent
         for parent in changed.values():
             request_output = parent.make_output()

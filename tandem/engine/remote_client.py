@@ -100,9 +100,8 @@ class RemoteEngineCoreClient(EngineCoreClient):
         ready = self._recv_sync(deadline)
         if not isinstance(ready, Ready):
             raise EngineCoreStartError(f"unexpected answer to Proof from {self.address}: {ready!r}")
-        self.max_model_len, self.num_blocks, self.block_size = ready.max_model_len, ready.num_blocks, ready.block_size
+        self.take_ready(ready)
         self.model, self.vocab_size = ready.model, ready.vocab_size
-        self.kernel_backend, self.kernel_message = ready.kernel_backend, ready.kernel_message
         self._admitted = True
         logger.info("connected to the engine core at %s (%s): max_model_len %d, %d KV blocks", self.address,
                     self.model, self.max_model_len, self.num_blocks)

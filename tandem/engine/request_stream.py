@@ -104,11 +104,15 @@ class RequestStream:
     Args:
         state: the prompt's front-end state.
         abort: aborts the prompt in the engine (idempotent; no-op once finished).
+        on_end: called after every ``abort`` (which runs when the stream ends in any way: finished,
+            failed, cancelled, or never read), e.g. a router's completion count; must be idempotent.
     """
 
-    def __init__(self, state: PromptState, abort: Callable[[str], None]) -> None:
+    def __init__(self, state: PromptState, abort: Callable[[str], None],
+                 on_end: Callable[[], None] | None = None) -> None:
         self._state = state
         self._abort = abort
+        self._on_end = on_end
 
     @property
     def request_id(self) -> str:
@@ -137,4 +141,8 @@ class RequestStream:
 
     def abort(self) -> None:
         """Stops the request in the engine (frees its KV blocks); no-op once it has finished."""
-        self._abort(self._state.request_id)
+        try:
+            self._abort(self._state.request_id)
+        finally:
+            if self._on_end is not None:
+                self._on_end()

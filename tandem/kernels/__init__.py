@@ -23,7 +23,7 @@ import torch
 from tandem.kernels.build import load_extension, selected_variant, unsupported_reason
 
 __all__ = [
-    "available", "backend", "dequantize", "linear_bf16", "linear_int4", "linear_int8", "linear_max_tokens",
+    "available", "backend", "dequantize", "linear_bf16", "moe_bf16", "linear_int4", "linear_int8", "linear_max_tokens",
     "paged_attention", "rms_norm", "rotary", "silu_and_mul", "unavailable_reason",
 ]
 
@@ -103,6 +103,26 @@ def linear_int4(
         RuntimeError: K is not a multiple of 32, or wrong dtypes/shapes (raised by the kernel).
     """
     return load_extension().linear_int4(x, qweight, scale, bias)
+
+
+def moe_bf16(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """Fused mixture-of-experts SwiGLU feed-forward: ``x [T, H]`` bf16 -> ``[T, H]`` bf16.
+
+    ``w13 [E, 2I, H]`` (gate rows, then up rows) and ``w2 [E, H, I]`` bf16, contiguous; ``ids [T, k]``
+    int64 expert ids and ``weights [T, k]`` float32 router weights (``models.moe.route``). Out row t is
+    ``sum_j weights[t, j] * (bf16(silu(x_t . gate) * (x_t . up)) @ w2[ids[t, j]].T)``, summed in float32
+    in slot order ``j`` and rounded to bf16 once. Assignments are grouped by expert in C++, each
+    selected expert's weights read once per call for all its tokens, unselected experts never read,
+    one OpenMP team per pass. Each dot product has one fixed fp32 summation order, so a token's output
+    does not depend on the other tokens of the call (batch invariance). Matches
+    ``models.moe.moe_reference`` up to fp32 summation order and bf16 roundings.
+
+    Raises:
+        RuntimeError: wrong dtypes or shapes, an expert id outside ``[0, E)`` (raised by the kernel).
+    """
+    return load_extension().moe_bf16(x, w13, w2, weights, ids)
 
 
 def dequantize(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

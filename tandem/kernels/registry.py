@@ -56,6 +56,8 @@ LIMITS: dict[str, dict[str, int | None]] = {
     **{op: _limits(None, _NONE) for op in _DEQUANT_OPS},
     "paged_attention": _limits(16, None),
     "decoder_layer": _limits(16, None),
+    # avx2 only for now; on avx512_bf16 models.moe.moe_grouped runs one linear_bf16 pair per expert
+    "moe_bf16": _limits(_NONE, None),
 }
 
 # What each path is, for the start-up line, /metrics and /version.

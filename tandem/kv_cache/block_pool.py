@@ -24,15 +24,24 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tandem.kv_cache.events import EventRecorder
 
 
 @dataclass(eq=False, slots=True)
 class KVCacheBlock:
-    """One block of ``block_size`` token slots; ``block_hash`` is set while it is in the prefix cache."""
+    """One block of ``block_size`` token slots; ``block_hash`` is set while it is in the prefix cache.
+
+    ``generation`` counts the block's allocations (``BlockPool.get_new_blocks``): a reader that noted
+    (id, generation) can tell that the block was freed and reused since (a KV transfer refuses it).
+    """
 
     block_id: int
     ref_cnt: int = 0
     block_hash: int | None = None
+    generation: int = 0
 
 
 def _require(ok: bool, message: str) -> None:
@@ -46,12 +55,15 @@ class BlockPool:
     Args:
         num_blocks: blocks in the pool (>= 1).
         enable_caching: keep the ``hash -> block`` map (automatic prefix caching).
+        events: when given, every change of the ``hash -> block`` map is reported to it (stored,
+            removed on eviction, cleared), for KV-aware routers (``kv_cache/events.py``).
 
     Raises:
         ValueError: ``num_blocks < 1``.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 events: EventRecorder | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -60,6 +72,7 @@ class BlockPool:
         # NOTE: an OrderedDict is a doubly linked list with O(1) removal by key, which a touch needs.
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[int, KVCacheBlock] = {}
+        self.events = events
 
     @property
     def num_free_blocks(self) -> int:
@@ -87,7 +100,8 @@ class BlockPool:
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Takes ``num_blocks`` blocks from the head of the free queue, each with ``ref_cnt = 1``.
 
-        Changes: the free queue; evicts the prefix-cache entry of every cached block it takes.
+        Changes: the free queue; evicts the prefix-cache entry of every cached block it takes; bumps
+        each taken block's ``generation``.
 
         Raises:
             ValueError: fewer than ``num_blocks`` free blocks (check ``num_free_blocks`` first).
@@ -99,6 +113,7 @@ class BlockPool:
             _, block = self._free.popitem(last=False)
             self._evict(block)
             block.ref_cnt = 1
+            block.generation += 1
             taken.append(block)
         return taken
 
@@ -106,6 +121,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
+                if self.events is not None:
+                    self.events.removed((block.block_hash,))
             block.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -148,6 +165,8 @@ class BlockPool:
             block.block_hash = block_hash
             self._cached[block_hash] = block
             added += 1
+            if self.events is not None:
+                self.events.stored((block_hash,))
         return added
 
     def reset_prefix_cache(self) -> int:
@@ -160,7 +179,13 @@ class BlockPool:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return dropped
+
+    def cached_hashes(self) -> list[int]:
+        """Every hash in the prefix-cache map (a snapshot, e.g. for a router that joins late)."""
+        return list(self._cached)
 
     def check(self) -> None:
         """Verifies the pool's own invariants. Changes nothing.

@@ -247,6 +247,10 @@ class KVCacheManager:
         """The block ids of a lease (changes nothing). Raises ``UnknownLeaseError``."""
         return self.leases.get(lease_id).block_ids
 
+    def block_generations(self, block_ids: Sequence[int]) -> list[int]:
+        """The allocation generation of each block (``KVCacheBlock.generation``). Changes nothing."""
+        return [self.block_pool.blocks[i].generation for i in block_ids]
+
     def renew(self, lease_id: str, ttl_s: float | None = None) -> float:
         """Extends a lease to ``ttl_s`` seconds from now; returns the new expiry (clock seconds).
 

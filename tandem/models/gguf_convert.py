@@ -34,6 +34,8 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
+from tandem.models import gguf_moe
+
 # GGUF `general.architecture` -> (HF architecture class, HF model_type). Mistral GGUFs use "llama".
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
@@ -109,16 +111,21 @@ class _Entry:
         return math.prod(self.shape) * _ITEMSIZE[self.dtype]
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str:
     """Map a GGUF tensor name (`blk.3.attn_q.weight`) to its HF name (`model.layers.3.self_attn.q_proj...`).
 
+    `model_type` (the HF one) names the mixture-of-experts tensors (`gguf_moe.block_tensor_name`).
+
     Raises:
-        UnsupportedGGUFError: the name is not one of the llama/qwen2/qwen3 tensors.
+        UnsupportedGGUFError: the name is not one of the supported architectures' tensors.
     """
     match = _TENSOR_NAME.fullmatch(gguf_name)
     layer, base = (match["layer"], match["base"]) if match else (None, "")
     if match and layer is None and base in _GLOBAL_TENSORS:
         return f"{_GLOBAL_TENSORS[base]}.{match['suffix']}"
+    moe_name = gguf_moe.block_tensor_name(base, model_type) if match and layer is not None else None
+    if moe_name is not None:
+        return f"model.layers.{layer}.{moe_name}"
     if match and layer is not None and base in _BLOCK_TENSORS:
         return f"model.layers.{layer}.{_BLOCK_TENSORS[base]}.{match['suffix']}"
     raise UnsupportedGGUFError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent in this converter")
@@ -136,10 +143,11 @@ def check_architecture(metadata: dict[str, Any]) -> str:
         UnsupportedGGUFError: any other architecture; the message names the supported ones.
     """
     arch = metadata.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in SUPPORTED_ARCHITECTURES and arch not in gguf_moe.MOE_ARCHITECTURES:
         raise UnsupportedGGUFError(
-            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)} "
-            "(Mistral GGUFs use 'llama')"
+            f"GGUF architecture {arch!r} is not supported; supported: "
+            f"{', '.join([*SUPPORTED_ARCHITECTURES, *gguf_moe.MOE_ARCHITECTURES])} "
+            "(Mistral and Mixtral GGUFs use 'llama')"
         )
     return arch
 
@@ -242,7 +250,8 @@ def build_hf_config(
             `llama.embedding_length`) is missing.
     """
     arch = check_architecture(meta)
-    hf_arch, model_type = SUPPORTED_ARCHITECTURES[arch]
+    moe = gguf_moe.moe_architecture(arch, meta)
+    hf_arch, model_type = moe[:2] if moe else SUPPORTED_ARCHITECTURES[arch]
     hidden = int(_required(meta, f"{arch}.embedding_length"))
     heads = int(_required(meta, f"{arch}.attention.head_count"))
     head_dim = int(
@@ -253,7 +262,8 @@ def build_hf_config(
         "architectures": [hf_arch],
         "model_type": model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(_required(meta, f"{arch}.feed_forward_length")),
+        "intermediate_size": int(meta.get(f"{arch}.feed_forward_length") or _required(
+            meta, f"{arch}.expert_feed_forward_length" if moe else f"{arch}.feed_forward_length")),
         "num_hidden_layers": int(_required(meta, f"{arch}.block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
@@ -274,6 +284,11 @@ def build_hf_config(
         config["attention_bias"] = "blk.0.attn_q.bias" in shapes
     if model_type == "llama":
         config["mlp_bias"] = "blk.0.ffn_up.bias" in shapes
+    if moe:
+        try:
+            config.update(gguf_moe.moe_config(meta, arch, model_type, moe[2], shapes))
+        except KeyError as e:
+            raise UnsupportedGGUFError(f"GGUF metadata lacks the required key {e.args[0]!r}") from None
     return config
 
 
@@ -309,17 +324,17 @@ def _plan(
 
     `rope_freqs` is consumed by the config and not written.
     """
-    permute = config["model_type"] == "llama"
+    permute = config["model_type"] in gguf_moe.PERMUTED_QK
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     entries, quantized = [], {}
     for tensor in tensors:
         if tensor.name == _ROPE_FREQS:
             continue
         base = tensor.name.split(".")[-2]
-        hf_name = hf_tensor_name(tensor.name)
+        hf_name = hf_tensor_name(tensor.name, config["model_type"])
         permute_heads = heads.get(base) if permute else None
         kept = keep_quantized and tensor.tensor_type in _KEPT_BLOCKS and len(tensor.shape) == 2
-        if kept and base in _LINEAR_BASES and tensor.name.endswith(".weight"):
+        if kept and (base in _LINEAR_BASES or base in gguf_moe.SHARED_LINEAR_BASES) and tensor.name.endswith(".weight"):
             module = hf_name.removesuffix(".weight")
             entries += _quantized_entries(module, tensor, permute_heads)
             quantized[module] = _KEPT_BLOCKS[tensor.tensor_type]
@@ -330,7 +345,10 @@ def _plan(
             entries += _quantized_entries("lm_head", tensor, None)
             quantized["lm_head"] = _KEPT_BLOCKS[tensor.tensor_type]
         dtype = _KEPT_TYPES.get(tensor.tensor_type, "F32")
-        entries.append(_Entry(hf_name, tensor, dtype, _hf_shape(tensor), permute_heads))
+        shape = _hf_shape(tensor)
+        if base == "ffn_gate_inp_shexp" and len(shape) == 1:
+            shape = (1, *shape)  # a 1-row linear layer, whichever way the file stores it
+        entries.append(_Entry(hf_name, tensor, dtype, shape, permute_heads))
     return entries, quantized
 
 
@@ -377,7 +395,7 @@ def _load_entry(entry: _Entry) -> np.ndarray:
     array = load_tensor(entry.tensor) if entry.part == "weight" else block_parts(entry.tensor)[entry.part]
     if entry.permute_heads is not None:
         array = unpermute_qk(array, entry.permute_heads)
-    return np.ascontiguousarray(array)
+    return np.ascontiguousarray(array).reshape(entry.shape)
 
 
 def write_safetensors(path: Path, entries: list[_Entry], *, progress: bool = True, desc: str = "") -> None:

@@ -17,6 +17,11 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "OlmoeForCausalLM",
+    "GraniteMoeForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 # generation_config.json keys copied into SamplingParams defaults (same names there).
@@ -43,6 +48,27 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts settings of a sparse checkpoint (sizes in elements).
+
+    ``scoring`` is how router logits become the top-k weights: ``"softmax_topk"`` (softmax over all
+    experts in float32, then the top ``top_k``, renormalised to sum 1 when ``norm_topk_prob``; Qwen,
+    Mixtral, OLMoE) or ``"topk_softmax"`` (the top ``top_k`` logits, then a softmax over them;
+    Granite-MoE). ``sparse_layers`` lists the layers whose MLP is sparse (the others are dense with
+    ``HFModelConfig.intermediate_size``). ``shared_expert_intermediate_size`` > 0 adds Qwen2-MoE's
+    shared expert with its sigmoid gate.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    scoring: str = "softmax_topk"
+    sparse_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,6 +103,13 @@ class HFModelConfig:
     sliding_window: int | None = None
     torch_dtype: str | None = None
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    moe: MoEConfig | None = None
+    # NOTE: family extras, at their identity values for the families without them.
+    clip_qkv: float | None = None  # OLMoE: q, k, v clamped to [-clip, clip] after the norm
+    embedding_multiplier: float = 1.0  # Granite: embeddings scaled
+    residual_multiplier: float = 1.0  # Granite: each block's output scaled before its residual add
+    attention_multiplier: float | None = None  # Granite: the attention scale instead of head_dim ** -0.5
+    logits_scaling: float = 1.0  # Granite: logits divided by it
 
     @property
     def max_model_len(self) -> int:
@@ -133,13 +166,49 @@ def _build(cfg: dict[str, Any], gen: dict[str, Any], architecture: str, config_p
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         # NOTE: Qwen2 always has q/k/v biases, whatever the config says (transformers hard-codes it).
-        attention_bias=architecture == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+        attention_bias=architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+        or bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         bos_token_id=_first_int(cfg.get("bos_token_id"), gen.get("bos_token_id")),
         eos_token_ids=_merge_ids(cfg.get("eos_token_id"), gen.get("eos_token_id")),
         sliding_window=_sliding_window(cfg),
         torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
         generation_defaults={k: gen[k] for k in GENERATION_DEFAULT_KEYS if gen.get(k) is not None},
+        moe=_moe_config(cfg, architecture),
+        clip_qkv=None if cfg.get("clip_qkv") is None else float(cfg["clip_qkv"]),
+        embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+        attention_multiplier=None if cfg.get("attention_multiplier") is None else float(cfg["attention_multiplier"]),
+        logits_scaling=float(cfg.get("logits_scaling", 1.0)),
+    )
+
+
+def _moe_config(cfg: dict[str, Any], architecture: str) -> MoEConfig | None:
+    """The MoE settings of a sparse architecture (None for dense ones); field names per family."""
+    if architecture not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM",
+                            "OlmoeForCausalLM", "GraniteMoeForCausalLM"):
+        return None
+    num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    num_layers = int(cfg["num_hidden_layers"])
+    if num_experts < 1:
+        raise CheckpointError(f"{architecture}: num_experts must be >= 1, got {num_experts}")
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    top_k = int(cfg["num_experts_per_tok"])
+    if not 1 <= top_k <= num_experts:
+        raise CheckpointError(f"{architecture}: num_experts_per_tok {top_k} is not in 1..{num_experts}")
+    qwen = architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        intermediate_size=int(cfg["moe_intermediate_size"] if qwen else cfg["intermediate_size"]),
+        # NOTE: Mixtral always renormalises (transformers hard-codes it); Granite's softmax is over the k.
+        norm_topk_prob=architecture == "MixtralForCausalLM" or bool(cfg.get("norm_topk_prob", False)),
+        scoring="topk_softmax" if architecture == "GraniteMoeForCausalLM" else "softmax_topk",
+        sparse_layers=sparse,
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+        if architecture == "Qwen2MoeForCausalLM" else 0,
     )
 
 

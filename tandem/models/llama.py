@@ -7,6 +7,8 @@ from the separate checkpoint tensors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -47,7 +49,8 @@ class LlamaAttention(nn.Module):
         )
         o_bias = cfg.attention_bias if self.o_proj_bias is None else self.o_proj_bias
         self.o_proj = Linear(q_size, cfg.hidden_size, o_bias, dtype)
-        self.scale = self.head_dim**-0.5
+        self.scale = cfg.attention_multiplier if cfg.attention_multiplier is not None else self.head_dim**-0.5
+        self.clip_qkv = cfg.clip_qkv
         self.backend = backend
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,8 +72,12 @@ class LlamaAttention(nn.Module):
         q = qkv[:, :q_end].view(t, heads, head_dim)
         k = qkv[:, q_end:k_end].view(t, kv_heads, head_dim)
         v = qkv[:, k_end:].view(t, kv_heads, head_dim)
-        if self.has_qk_norm:
-            q, k = apply_rotary(*self.norm_qk(q, k), *rope)
+        if self.has_qk_norm or self.clip_qkv is not None:
+            q, k = self.norm_qk(q, k)
+            if self.clip_qkv is not None:  # OLMoE: after the norm
+                c = self.clip_qkv
+                q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+            q, k = apply_rotary(q, k, *rope)
         else:
             apply_rotary_(qkv[:, :k_end].view(t, heads + kv_heads, head_dim), *rope)
         out = self.backend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
@@ -109,10 +116,12 @@ class LlamaDecoderLayer(nn.Module):
         dtype: torch.dtype,
         attention_cls: type[LlamaAttention],
         backend: AttentionBackend,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.self_attn = attention_cls(cfg, dtype, backend)
-        self.mlp = LlamaMLP(cfg, dtype)
+        self.mlp = mlp if mlp is not None else LlamaMLP(cfg, dtype)
+        self.residual_multiplier = cfg.residual_multiplier
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -144,8 +153,13 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm.forward(x, residual)
         x = self.self_attn.forward(x, rope, kv_cache, meta)
+        if self.residual_multiplier != 1.0:  # Granite
+            x = x * self.residual_multiplier
         x, residual = self.post_attention_layernorm.forward(x, residual)
-        return self.mlp.forward(x), residual
+        x = self.mlp.forward(x)
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
+        return x, residual
 
     def forward_fused(
         self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata
@@ -157,7 +171,8 @@ class LlamaDecoderLayer(nn.Module):
         # NOTE: asked on every call, not cached: quantize_model and self-speculation's deepcopy replace
         # the Linear modules after construction.
         attn, mlp = self.self_attn, self.mlp
-        if attn.has_qk_norm:
+        if (attn.has_qk_norm or attn.clip_qkv is not None or self.residual_multiplier != 1.0
+                or type(mlp) is not LlamaMLP):
             return None
         tokens = x.shape[0]
         linears = []
@@ -185,11 +200,13 @@ class LlamaModel(nn.Module):
         max_positions: int,
         attention_cls: type[LlamaAttention],
         backend: AttentionBackend,
+        make_mlp: Callable[[int], nn.Module | None] = lambda layer: None,
     ) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.embedding_multiplier = cfg.embedding_multiplier
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, dtype, attention_cls, backend) for _ in range(cfg.num_layers)
+            LlamaDecoderLayer(cfg, dtype, attention_cls, backend, make_mlp(i)) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
@@ -202,6 +219,8 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:  # Granite
+            x = x * self.embedding_multiplier
         rope = self.rotary(positions, x.dtype)
         residual, fused = None, self.fused_step(x)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -244,12 +263,20 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         backend = backend if backend is not None else select_backend(cfg.head_dim, dtype)
-        self.model = LlamaModel(cfg, dtype, max_positions, self.attention_cls, backend)
+        self.model = LlamaModel(cfg, dtype, max_positions, self.attention_cls, backend,
+                                lambda layer: self.make_mlp(cfg, dtype, layer))
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
         if cfg.tie_word_embeddings:
             # NOTE: one shared Parameter; named_parameters() then lists only the embedding, so the
             # loader never looks for lm_head.weight.
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, cfg: HFModelConfig, dtype: torch.dtype, layer: int) -> nn.Module | None:
+        """The feed-forward block of decoder layer ``layer``; None = the dense ``LlamaMLP``.
+
+        Mixture-of-experts families return a ``models.moe.SparseMoeBlock`` for their sparse layers.
+        """
+        return None
 
     def forward(
         self,
@@ -273,4 +300,6 @@ class LlamaForCausalLM(nn.Module):
         takes model-dtype logits and casts only the rows that need float32.
         """
         logits = self.lm_head(hidden)
+        if self.config.logits_scaling != 1.0:  # Granite
+            logits = logits / self.config.logits_scaling
         return logits if dtype is None else logits.to(dtype)

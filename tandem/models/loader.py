@@ -137,14 +137,37 @@ def use_quantized_modules(model: torch.nn.Module, formats: dict[str, str]) -> No
         ))
 
 
-def _targets(model: torch.nn.Module) -> list[_Target]:
+def _hooked_targets(model: torch.nn.Module, files: dict[str, Path]) -> tuple[list[_Target], set[str]]:
+    """Targets of modules that name their own checkpoint tensors (``checkpoint_targets``, e.g. the MoE
+    blocks of ``models/moe.py``), and the names of the parameters they cover.
+
+    Of each module's alternatives the first whose tensors are all in ``files`` is taken; when none is
+    complete the first is returned, so the missing-tensor error names what was expected.
+    """
+    targets: list[_Target] = []
+    covered: set[str] = set()
+    for name, module in model.named_modules():
+        if not hasattr(module, "checkpoint_targets"):
+            continue
+        alternatives = module.checkpoint_targets(name)
+        chosen = next((a for a in alternatives if all(t in files for t, _ in a)), alternatives[0])
+        targets += [_Target(t, view, 0, view.shape[0]) for t, view in chosen]
+        storages = {view.untyped_storage().data_ptr() for _, view in chosen}
+        covered |= {f"{name}.{p}" if name else p for p, tensor in module.named_parameters()
+                    if tensor.untyped_storage().data_ptr() in storages}
+    return targets, covered
+
+
+def _targets(model: torch.nn.Module, files: dict[str, Path] | None = None) -> list[_Target]:
     """Every checkpoint tensor the model needs; shared (tied) parameters appear once."""
-    targets = []
+    targets, covered = _hooked_targets(model, files or {})
     quantized = [
         (f"{name}.{leaf}", buf) for name, m in model.named_modules() if isinstance(m, QuantizedLinear)
         for leaf, buf in m.named_buffers(recurse=False) if leaf in QUANTIZED_PARTS
     ]
     for param_name, param in [*model.named_parameters(), *quantized]:
+        if param_name in covered:
+            continue
         module_name, _, leaf = param_name.rpartition(".")
         module = model.get_submodule(module_name)
         if isinstance(module, Linear | QuantizedLinear) and module.shard_names:
@@ -170,7 +193,7 @@ def load_weights(model: torch.nn.Module, model_dir: Path, progress: bool = True)
             shape (names it, the file, the expected and found shapes), or a file cannot be read.
     """
     files = checkpoint_files(model_dir)
-    targets = _targets(model)
+    targets = _targets(model, files)
     missing = [t.name for t in targets if t.name not in files and _qweight_name(t.name) not in files]
     if missing:
         searched = ", ".join(sorted({p.name for p in files.values()}))

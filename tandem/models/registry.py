@@ -16,6 +16,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("tandem.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("tandem.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("tandem.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("tandem.models.qwen_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("tandem.models.qwen_moe", "Qwen3MoeForCausalLM"),
+    "MixtralForCausalLM": ("tandem.models.mixtral", "MixtralForCausalLM"),
+    "OlmoeForCausalLM": ("tandem.models.olmoe", "OlmoeForCausalLM"),
+    "GraniteMoeForCausalLM": ("tandem.models.granitemoe", "GraniteMoeForCausalLM"),
 }
 assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES)
 

@@ -34,6 +34,7 @@ class SchedulerStats:
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     spec_proposer: dict[str, float] = field(default_factory=dict)
+    kv_transfer: dict[str, float] = field(default_factory=dict)  # the KV connector's counters (tandem/disagg)
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -38,7 +38,7 @@ def add_serve_parser(
     ``ServerConfig`` field."""
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     # NOTE: the engine core has a process of its own here, so its threads are pinned by default.
-    add_engine_args(p, cpu_bind_default="auto")
+    add_engine_args(p, cpu_bind_default="auto", kv_events=True)
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="names the API answers to (default: the --model value)")
     p.add_argument("--host", default="127.0.0.1")
@@ -150,7 +150,7 @@ def _refuse_engine_flags(args: argparse.Namespace) -> None:
     from tandem.cli import add_engine_args
 
     probe = argparse.ArgumentParser(add_help=False)
-    add_engine_args(probe, cpu_bind_default="auto")
+    add_engine_args(probe, cpu_bind_default="auto", kv_events=True)
     given = [a.option_strings[0] for a in probe._actions if a.dest not in _REMOTE_ENGINE_FLAGS
              and a.option_strings and getattr(args, a.dest, a.default) != a.default]
     if given:
@@ -177,7 +177,16 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: s
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
     logging.getLogger("tandem.requests").setLevel(logging.INFO)
-    plan_cpus(engine_config.cpu_bind, engine_config.num_threads)  # NOTE: a bad --cpu-bind fails before the core starts
+    dp = parallel_config is not None and (parallel_config.data_parallel_size > 1
+                                          or parallel_config.data_parallel_backend == "ray")
+    # NOTE: a bad --cpu-bind fails before any core starts
+    if dp:
+        from tandem.worker.dp_cpus import plan_engine_cpus
+
+        if parallel_config.data_parallel_backend == "mp":
+            plan_engine_cpus(parallel_config.data_parallel_size, engine_config.cpu_bind, engine_config.num_threads)
+    else:
+        plan_cpus(engine_config.cpu_bind, engine_config.num_threads)
     names = list(server_config.served_model_names) or [default_name]
     host, port = server_config.host, server_config.port
     try:
@@ -189,6 +198,10 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: s
     try:
         if remote:
             engine = _connect_engine(engine_config, server_config, parallel_config)
+        elif dp:
+            from tandem.server.data_parallel import start_data_parallel
+
+            engine = start_data_parallel(engine_config, server_config, parallel_config, log_level, t0)
         else:
             engine = _start_engine(engine_config, server_config, log_level, allowed_cpus(), t0)
         if engine is None:
@@ -196,7 +209,10 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: s
         try:
             _run(engine, engine_config, server_config, names, sock, t0)
         finally:
-            engine.client.close()
+            for one in getattr(engine, "engines", [engine]):
+                one.client.close()
+            if hasattr(engine, "launcher"):
+                engine.launcher.close()
     finally:
         sock.close()
     return 0
@@ -278,16 +294,18 @@ def _run(engine: Any, engine_config: EngineConfig, server_config: ServerConfig, 
     import uvicorn
 
     from tandem.server.app import build_app
-    from tandem.server.metrics import ServerMetrics
     from tandem.worker.cpu_env import pin_frontend
 
     core_pid = engine.client.pid
-    if core_pid is not None:
+    if hasattr(engine, "launcher"):
+        where = f"{len(engine.engines)} engine cores: {engine.launcher.describe()}"
+    elif core_pid is not None:
         # NOTE: after the spawn: the core inherits the mask of this process and then pins itself.
         pin_frontend(engine_config.cpu_bind, engine_config.num_threads)
-    where = f"core pid {core_pid}" if core_pid is not None else f"core at {getattr(engine.client, 'address', '?')}"
-    metrics = ServerMetrics(names[0], core_pid=lambda: engine.client.pid if engine.is_healthy else None,
-                            instance_id=engine.instance_id, kernel_backend=engine.client.kernel_backend)
+        where = f"core pid {core_pid}"
+    else:
+        where = f"core at {getattr(engine.client, 'address', '?')}"
+    metrics = _make_metrics(engine, names[0])
     engine.metrics = metrics
     app = build_app(engine, names, server_config.api_key, metrics)
     print(f"tandem: engine ready in {time.monotonic() - t0:.1f} s ({where}, kernels {engine.client.kernel_backend}); "
@@ -298,6 +316,19 @@ def _run(engine: Any, engine_config: EngineConfig, server_config: ServerConfig, 
                                timeout_graceful_shutdown=timeout + 5.0)
     server = make_server(uv_config, timeout, lambda: _end_in_flight(engine, timeout))
     server.run(sockets=[sock])
+
+
+def _make_metrics(engine: Any, name: str) -> Any:
+    """``ServerMetrics`` for one engine; ``DataParallelMetrics`` (an ``engine`` label) for several."""
+    from tandem.server.metrics import DataParallelMetrics, ServerMetrics
+
+    def one(e: Any, process: bool = True) -> ServerMetrics:
+        return ServerMetrics(name, core_pid=lambda: e.client.pid if e.is_healthy else None,
+                             instance_id=e.instance_id, kernel_backend=e.client.kernel_backend, process=process)
+
+    if hasattr(engine, "engines"):
+        return DataParallelMetrics([one(e, process=False) for e in engine.engines])
+    return one(engine)
 
 
 def _end_in_flight(engine: Any, timeout: float) -> None:

@@ -74,9 +74,11 @@ def queue_full(message: str, retry_after: float | None = 1.0) -> APIError:
     return APIError(429, message, "rate_limit_error", None, "queue_full", retry_after)
 
 
-def engine_unavailable(message: str = "the engine core is not running", retry_after: float | None = None) -> APIError:
-    """503: the engine core is dead, restarting (with ``Retry-After``) or the server is shutting down."""
-    return APIError(503, message, "service_unavailable", None, "engine_unavailable", retry_after)
+def engine_unavailable(message: str = "the engine core is not running", retry_after: float | None = None,
+                       code: str = "engine_unavailable") -> APIError:
+    """503: the engine core is dead, restarting (with ``Retry-After``) or the server is shutting down;
+    or (``code`` "kv_transfer_failed") a request's KV could not come from its prefill engine."""
+    return APIError(503, message, "service_unavailable", None, code, retry_after)
 
 
 def from_value_error(e: ValueError) -> APIError:
@@ -92,6 +94,8 @@ def from_engine_error(e: EngineRequestError | EngineDeadError) -> APIError:
         return engine_unavailable(str(e), e.retry_after)
     if e.status == 429:
         return queue_full(e.message, e.retry_after)
+    if e.status == 503:  # NOTE: a failed KV transfer (the prefill engine is gone): retry elsewhere
+        return engine_unavailable(e.message, e.retry_after, "kv_transfer_failed")
     if e.status >= 500:
         return APIError(e.status, e.message, "internal_error", None, "engine_step_failed")
     return bad_request(e.message, None, e.code)

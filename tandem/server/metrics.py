@@ -20,6 +20,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric
 
 from tandem.engine.core_proc import CoreStats
 
@@ -35,6 +36,21 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+# The KV connector's cumulative counters (tandem/disagg/connector.py), exported as tandem:kv_transfer_<name>.
+KV_TRANSFER_COUNTERS = {
+    "pulls": "Decode side: requests whose prompt KV was pulled from a prefill engine.",
+    "pull_failures": "Decode side: KV pulls that failed (unreachable, refused, expired lease, reused blocks).",
+    "local_prefills": "Decode side: requests prefilled here instead (prefill_failure_policy local).",
+    "prefix_hits": "Decode side: requests whose whole remote prefix was already in the local prefix cache.",
+    "bytes_received": "Decode side: KV bytes received.",
+    "pull_seconds": "Decode side: seconds spent in KV pulls.",
+    "pulls_served": "Prefill side: KV pulls served.",
+    "bytes_sent": "Prefill side: KV bytes sent.",
+    "peers_refused": "Prefill side: KV transfer peers refused (identity, secret, protocol).",
+    "pull_errors_served": "Prefill side: pulls refused (unknown or expired lease, reused blocks).",
+}
+
+
 class ServerMetrics:
     """All Prometheus series of one server, labelled with ``model_name`` and ``instance_id``.
 
@@ -48,11 +64,12 @@ class ServerMetrics:
     """
 
     def __init__(self, model_name: str, core_pid: Callable[[], int | None] | None = None,
-                 instance_id: str = "", kernel_backend: str | None = None) -> None:
+                 instance_id: str = "", kernel_backend: str | None = None, process: bool = True) -> None:
         self.registry = CollectorRegistry()
         self.core_pid = core_pid
         reg, labels, values = self.registry, ["model_name", "instance_id"], (model_name, instance_id)
-        ProcessCollector(registry=reg)  # process_resident_memory_bytes etc. of the front end
+        if process:
+            ProcessCollector(registry=reg)  # process_resident_memory_bytes etc. of the front end
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(f"tandem:{name}", doc, labels, registry=reg).labels(*values)
@@ -76,6 +93,7 @@ class ServerMetrics:
         self.spec_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
         self.spec_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.core_restarts = counter("engine_core_restarts", "Engine-core processes restarted after a death.")
+        self.kv_transfer = {name: counter(f"kv_transfer_{name}", doc) for name, doc in KV_TRANSFER_COUNTERS.items()}
         self._spec_per_pos = Counter("tandem:spec_decode_num_accepted_tokens_per_pos",
                                      "Draft tokens accepted, by draft position (0-based).",
                                      [*labels, "position"], registry=reg)
@@ -112,6 +130,8 @@ class ServerMetrics:
         for pos, count in enumerate(stats.spec_num_accepted_tokens_per_pos):
             before = previous[pos] if pos < len(previous) else 0
             self._spec_per_pos.labels(*self.labels, str(pos)).inc(max(0, count - before))
+        for name, series in self.kv_transfer.items():
+            series.inc(max(0.0, stats.kv_transfer.get(name, 0.0) - last.kv_transfer.get(name, 0.0)))
         self._last = stats
         if num_batched_tokens > 0:
             self.iteration_tokens.observe(num_batched_tokens)
@@ -142,6 +162,11 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every series (refreshes the core's memory first)."""
+        self.refresh()
+        return generate_latest(self.registry)
+
+    def refresh(self) -> None:
+        """Reads the engine core's resident memory into its gauge (0 without a live core)."""
         pid = self.core_pid() if self.core_pid is not None else None
         rss = 0  # NOTE: no core (or a dead one): nothing resident
         if pid is not None:
@@ -150,4 +175,40 @@ class ServerMetrics:
             except psutil.Error:
                 pass
         self.core_memory.set(rss)
+
+
+class DataParallelMetrics:
+    """The series of N engine cores in one exposition: each engine's ``ServerMetrics`` (``engines``)
+    gets the extra label ``engine`` (its rank); the front end's process series appear once.
+
+    Args:
+        parts: one ``ServerMetrics`` per engine (made with ``process=False``), in rank order.
+    """
+
+    def __init__(self, parts: list[ServerMetrics]) -> None:
+        self.engines = parts
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        self.registry.register(_EngineLabelled(parts))
+
+    def render(self) -> bytes:
+        for part in self.engines:
+            part.refresh()
         return generate_latest(self.registry)
+
+
+class _EngineLabelled:
+    """A prometheus_client collector: every family of the parts' registries, samples labelled by rank."""
+
+    def __init__(self, parts: list[ServerMetrics]) -> None:
+        self.parts = parts
+
+    def collect(self):
+        merged: dict[str, Metric] = {}
+        for rank, part in enumerate(self.parts):
+            for family in part.registry.collect():
+                out = merged.get(family.name)
+                if out is None:
+                    out = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                out.samples.extend(s._replace(labels={**s.labels, "engine": str(rank)}) for s in family.samples)
+        return list(merged.values())

@@ -101,6 +101,8 @@ class SamplingRequest(OpenAIModel):
     user: str | None = None
     request_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")] | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's disaggregated prefill protocol (tandem/disagg/connector.py): passed to the engine as is.
+    kv_transfer_params: dict[str, Any] | None = None
     # NOTE: known fields Tandem does not honour yet: a non-null value is refused (400, param = the field).
     guided_json: Any = None
     guided_regex: Any = None
@@ -143,7 +145,7 @@ class SamplingRequest(OpenAIModel):
             "ignore_eos": self.ignore_eos, "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens, "logprobs": logprobs,
             "presence_penalty": self.presence_penalty or 0.0,
-            "frequency_penalty": self.frequency_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0, "kv_transfer_params": self.kv_transfer_params,
         }
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:
@@ -299,6 +301,7 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's field (disaggregated prefill)
 
 
 class ChatTopLogprob(BaseModel):
@@ -337,6 +340,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's field (disaggregated prefill)
 
 
 class ModelCard(BaseModel):

@@ -84,7 +84,7 @@ class OpenAIServingChat:
         usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=completion_tokens,
                           total_tokens=len(ids) + completion_tokens)
         response = ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                          usage=usage)
+                                          usage=usage, kv_transfer_params=out.kv_transfer_params)
         return JSONResponse(response.model_dump())
 
     def _logprobs(self, c: CompletionOutput, params: SamplingParams) -> Any:

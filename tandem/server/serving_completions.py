@@ -119,7 +119,8 @@ class OpenAIServingCompletion:
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                           total_tokens=prompt_tokens + completion_tokens)
-        return CompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
+        return CompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage,
+                                  kv_transfer_params=outs[0].kv_transfer_params if len(outs) == 1 else None)
 
     async def _stream(
         self, request: CompletionRequest, request_id: str, created: int, model: str,

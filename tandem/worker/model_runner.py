@@ -172,7 +172,10 @@ class ModelRunner:
             self.speculator.initialize_kv_cache(num_blocks)
         logger.info("KV cache: %d blocks, %.3f GiB (target + draft)", num_blocks, needed / (1 << 30))
 
-    def _all_kv_caches(self) -> list[list[KVCache]]:
+    def kv_cache_groups(self) -> list[list[KVCache]]:
+        """The paged caches per model: the target's per-layer ``(k, v)``, then the draft model's (if
+        any), each ``[num_blocks, block_size, kv_heads, head_dim]``. The tensors themselves (a KV
+        transfer writes into them); changes nothing."""
         caches = [self.kv_caches]
         draft = self.speculator.draft if self.speculator is not None else None
         if draft is not None:
@@ -187,7 +190,7 @@ class ModelRunner:
         Raises:
             ValueError: the KV cache is not initialized, or a block id is outside it.
         """
-        return [transfer.read_blocks(caches, block_ids) for caches in self._all_kv_caches()]
+        return [transfer.read_blocks(caches, block_ids) for caches in self.kv_cache_groups()]
 
     def write_kv_blocks(self, block_ids: list[int], buffers: list[torch.Tensor]) -> None:
         """Writes buffers shaped as ``read_kv_blocks`` returns into ``block_ids`` (target, then draft).
@@ -196,7 +199,7 @@ class ModelRunner:
         Raises:
             ValueError: not one buffer per cache, a shape mismatch, or a bad block id.
         """
-        caches = self._all_kv_caches()
+        caches = self.kv_cache_groups()
         if len(buffers) != len(caches):
             raise ValueError(f"{len(buffers)} KV buffers for {len(caches)} caches (target, then draft)")
         for cache, buffer in zip(caches, buffers, strict=True):

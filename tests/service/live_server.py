@@ -80,6 +80,28 @@ class Server:
         return stop_process(self.proc, self._log, timeout_s)
 
 
+class RouterProcess:
+    """A `python -m tandem.cli router` subprocess in front of ``backends``; its output goes to ``log_path``."""
+
+    def __init__(self, backends: list[str], log_path: Path, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "tandem.cli", "--log-level", "INFO", "router", "--port", str(self.port),
+               *[arg for b in backends for arg in ("--backend", b)], *flags]
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def wait_healthy(self, timeout_s: float = 60.0) -> None:
+        Server.wait_healthy(self, timeout_s)  # the same /health poll
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self, timeout_s: float = 15.0) -> int:
+        return stop_process(self.proc, self._log, timeout_s)
+
+
 def stop_process(proc: subprocess.Popen, log, timeout_s: float) -> int:
     """SIGTERM, then SIGKILL after ``timeout_s``; closes ``log``. Returns the exit code."""
     if proc.poll() is None:

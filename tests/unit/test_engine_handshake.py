@@ -104,7 +104,13 @@ def test_parallel_config_refuses_an_open_port_without_a_secret(monkeypatch, tmp_
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"data_parallel_size": 2}, "data_parallel_size 2 is not supported yet (only 1)"),
+    ({"data_parallel_size": 2, "engine_address": "tcp://127.0.0.1:5555"},
+     "engine_address serves one remote engine core; it cannot be combined with data_parallel_size > 1 or the ray "
+     "backend"),
+    ({"data_parallel_backend": "k8s"}, "data_parallel_backend must be one of ('mp', 'ray'), got 'k8s'"),
+    ({"routing_policy": "random"},
+     "routing_policy must be one of ('round-robin', 'least-load', 'kv-aware'), got 'random'"),
+    ({"ray_address": "auto"}, "ray_address needs data_parallel_backend 'ray'"),
     ({"data_parallel_size": 0}, "data_parallel_size must be an integer >= 1, got 0"),
     ({"engine_address": "127.0.0.1:5555"}, "an engine address must look like tcp://HOST:PORT, got '127.0.0.1:5555'"),
     ({"engine_address": "tcp://h:0"}, "an engine address must look like tcp://HOST:PORT with a port 1-65535, "
@@ -132,9 +138,9 @@ def test_tandem_engine_refuses_a_non_loopback_bind_without_a_secret(monkeypatch,
     assert len(err.splitlines()) == 1
 
 
-def test_serve_refuses_data_parallel_above_one(capsys):
+def test_serve_refuses_data_parallel_with_an_engine_address(capsys):
     assert main(["serve", "--model", "/nonexistent", "--engine-address", "tcp://127.0.0.1:5555", "-dp", "2"]) == 2
-    assert capsys.readouterr().err == "tandem: error: data_parallel_size 2 is not supported yet (only 1)\n"
+    assert capsys.readouterr().err.startswith("tandem: error: engine_address serves one remote engine core; ")
 
 
 # ---- the service and the client over loopback sockets, with a fake engine ----

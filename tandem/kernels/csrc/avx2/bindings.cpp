@@ -15,6 +15,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "rotate-half rotary embedding of [T, H, D]");
   m.def("rotary_", &rotary_, "in-place rotate-half rotary embedding of [T, H, D] (any token stride)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]");
+  m.def("moe_bf16", &moe_bf16, "fused mixture-of-experts SwiGLU feed-forward, bf16 experts [E, 2I, H] / [E, H, I]",
+        py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("weights"), py::arg("ids"));
   m.def("decoder_layer", &decoder_layer, "a whole pre-norm decoder layer (bf16 or quantized linears) at decode sizes");
   // Linear kernels (linear_bf16.cpp, linear_quant.cpp): any M, batch invariant; quantized formats
   // quantize the activations to int8 per block of 32 (llama.cpp's AVX2 path).

@@ -30,6 +30,9 @@ at::Tensor dequantize(at::Tensor qweight, at::Tensor scale);
 at::Tensor dequantize_q8_0(at::Tensor qweight, at::Tensor scale);
 at::Tensor dequantize_q4_1(at::Tensor qweight, at::Tensor scale);
 
+// moe.cpp
+at::Tensor moe_bf16(at::Tensor x, at::Tensor w13, at::Tensor w2, at::Tensor weights, at::Tensor ids);
+
 // ../decoder_layer.cpp (ISA-independent: calls the functions above)
 std::tuple<at::Tensor, at::Tensor> decoder_layer(
     at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor input_norm, at::Tensor post_norm, double eps,

@@ -1,0 +1,1 @@
+"""The migration toolkit: canary / shadow / fallback gateway, tiered comparator, compare and drill."""

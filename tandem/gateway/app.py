@@ -1,0 +1,83 @@
+"""The gateway's ASGI app: `/v1/*` proxied, `/gateway/status` (JSON), `/gateway/` (live page),
+`/metrics` (Prometheus), `/health`.
+
+Client authentication: with an api_key, `/v1` requests need `Authorization: Bearer <key>` (401
+otherwise, OpenAI's body); the key is checked with `hmac.compare_digest` and never forwarded.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import tandem
+from tandem.gateway.config import GatewayConfig
+from tandem.gateway.proxy import Gateway
+from tandem.gateway.status_page import render_status_page
+from tandem.gateway.upstream import error_json
+
+
+def _authorized(request: Request, api_key: str | None) -> bool:
+    if api_key is None:
+        return True
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+def build_gateway_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI:
+    """The app for one gateway (a new `Gateway(config)` unless one is given, e.g. with a test clock).
+    Starting the app opens the gateway's HTTP client; stopping it ends shadow legs."""
+    gw = gateway or Gateway(config)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await gw.start()
+        try:
+            yield
+        finally:
+            await gw.close()
+
+    app = FastAPI(title="Tandem gateway", version=tandem.__version__, lifespan=lifespan)
+    app.state.gateway = gw
+
+    @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def proxy(path: str, request: Request) -> Response:
+        if not _authorized(request, config.api_key):
+            body = error_json(401, "Incorrect API key provided.", "invalid_api_key")
+            return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return await gw.handle(request, path)
+
+    @app.get("/gateway/status")
+    async def status() -> JSONResponse:
+        return JSONResponse(gw.status())
+
+    @app.get("/gateway/")
+    async def page() -> HTMLResponse:
+        return HTMLResponse(render_status_page(gw.status()))
+
+    @app.get("/gateway")
+    async def page_redirect() -> RedirectResponse:
+        return RedirectResponse("/gateway/")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gw.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    return app
+
+
+def run_gateway(config: GatewayConfig, log_level: str = "warning") -> None:
+    """Serves the gateway with uvicorn on `config.host:config.port` until interrupted."""
+    import uvicorn
+
+    uvicorn.run(build_gateway_app(config), host=config.host, port=config.port, log_level=log_level.lower(),
+                timeout_graceful_shutdown=5)

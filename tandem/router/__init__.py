@@ -1,0 +1,1 @@
+"""Routing requests over several backends: policies (``policy``), block indexes (``kv_index``)."""

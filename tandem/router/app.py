@@ -1,0 +1,225 @@
+"""``tandem router``: an OpenAI-compatible front over several backends (FastAPI + httpx).
+
+Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (routed by the policy, bodies and SSE
+streams passed through, ``proxy.py``); ``GET /v1/models`` (the first healthy backend's answer);
+``GET /health`` (200 while a backend is healthy, else 503); ``GET /backends`` (each backend's state
+as JSON); ``GET /metrics`` (``metrics.py``).
+
+Start-up (``RouterService.start``): each backend's ``GET /load`` is read (Tandem servers answer it)
+for the block size, the KV event endpoint and the cache size (read again when a backend first
+answers later, or comes back from an ejection: a restarted engine may publish elsewhere); the
+tokenizer is ``--tokenizer`` or the first backend's ``/v1/models`` ``root`` when that is a local
+path (required for kv-aware); KV event subscribers start; the health task probes every backend each
+``health_interval_s`` (an ejected one only when its ejection time is up, ``health.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from tandem.config import ConfigError
+from tandem.router.backend import HttpBackend
+from tandem.router.config import RouterConfig
+from tandem.router.metrics import CONTENT_TYPE, RouterMetrics
+from tandem.router.policy import make_policy
+from tandem.router.prompt import PromptReader
+from tandem.router.proxy import DROP_RESPONSE_HEADERS, Router, filter_headers
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_SIZE = 16  # CacheConfig.block_size
+
+
+class RouterService:
+    """The router's long-lived parts: backends, HTTP client, health task, KV event subscribers.
+
+    Args:
+        config: the settings. tokenizer: a loaded tokenizer to use instead of discovering one (tests).
+        transport: an httpx transport for the backends (tests: ``httpx.MockTransport``), or None.
+    """
+
+    def __init__(self, config: RouterConfig, tokenizer: Any | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.config = config
+        self._tokenizer = tokenizer
+        timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
+        self.metrics: RouterMetrics | None = None
+        self.backends: list[HttpBackend] = []
+        self.router: Router | None = None
+        self._health_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Discovers the backends, loads the tokenizer, starts subscribers and the health task.
+
+        Raises:
+            ConfigError: kv-aware without a tokenizer, or a tokenizer that does not load.
+        """
+        cfg = self.config
+        self.backends = [HttpBackend(url, cfg, self._ejected(url)) for url in cfg.backends]
+        loads = await asyncio.gather(*(b.fetch_load(self.client) for b in self.backends))
+        sizes = [x["block_size"] for x in loads if x and isinstance(x.get("block_size"), int)]
+        self.block_size = block_size = cfg.block_size or (sizes[0] if sizes else DEFAULT_BLOCK_SIZE)
+        for b in self.backends:
+            b.configure(block_size)
+            if b.subscriber is not None:
+                b.subscriber.start()
+        self.metrics = RouterMetrics([b.state for b in self.backends])
+        tokenizer = self._tokenizer if self._tokenizer is not None else await self._load_tokenizer()
+        from tandem.engine.loading import load_chat_template
+
+        reader = PromptReader(tokenizer, block_size, load_chat_template(cfg.chat_template))
+        self.router = Router(cfg, self.backends, make_policy(cfg.policy, cfg.beta), reader, self.client,
+                             self.metrics)
+        self._health_task = asyncio.get_running_loop().create_task(self._health_loop(), name="router-health")
+        logger.info("router: %d backends, policy %s, block size %d, tokenizer %s", len(self.backends), cfg.policy,
+                    block_size, "yes" if tokenizer is not None else "none")
+
+    def _ejected(self, url: str):
+        def count(reason: str) -> None:
+            if self.metrics is not None:
+                self.metrics.ejections.labels(url).inc()
+        return count
+
+    async def _load_tokenizer(self) -> Any | None:
+        path = self.config.tokenizer
+        if path is None:
+            for b in self.backends:
+                try:
+                    data = (await self.client.get(f"{b.url}/v1/models", timeout=self.config.connect_timeout_s)).json()
+                    root = data["data"][0].get("root")
+                except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+                    continue
+                if isinstance(root, str) and os.path.exists(root):
+                    path = root
+                break
+        if path is None:
+            if self.config.policy == "kv-aware":
+                raise ConfigError("the kv-aware policy needs the backends' tokenizer: pass --tokenizer PATH "
+                                  "(the first backend's /v1/models names no local folder)")
+            return None
+        from tandem.bench.datasets import load_tokenizer
+
+        try:
+            return await asyncio.to_thread(load_tokenizer, path)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot load the tokenizer {path}: {e}") from e
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self._check(b) for b in self.backends))
+            await asyncio.sleep(self.config.health_interval_s)
+
+    async def _check(self, b: HttpBackend) -> None:
+        from tandem.router.health import HealthState
+
+        ejected = b.health.state is HealthState.EJECTED
+        if ejected and not b.health.due_probe:
+            return
+        ok, reason = await b.probe(self.client)
+        if not ok:
+            self.metrics.errors.labels(b.url, "probe").inc()
+        b.health.on_probe(ok, reason)
+        if ok and (ejected or not b.answered_load):
+            await self._rediscover(b)
+
+    async def _rediscover(self, b: HttpBackend) -> None:
+        """A backend back from an ejection, or up after the router started: its ``/load`` again, and
+        a new KV event subscription when the endpoint moved (its cached blocks start from its snapshot,
+        or empty). Changes: the backend's index and subscriber."""
+        if await b.fetch_load(self.client) is None or not b.events_moved():
+            return
+        if b.subscriber is not None:
+            await b.subscriber.close()
+        b.configure(self.block_size)
+        if b.subscriber is not None:
+            logger.info("backend %s: KV events now from %s", b.url, b.subscriber.endpoint)
+            b.subscriber.start()
+
+    async def stop(self) -> None:
+        """Stops the health task and the subscribers, closes the client."""
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+        for b in self.backends:
+            if b.subscriber is not None:
+                await b.subscriber.close()
+        await self.client.aclose()
+
+    async def models(self) -> Response:
+        """The first healthy backend's ``/v1/models`` answer, passed through."""
+        for b in self.backends:
+            if not b.state.healthy:
+                continue
+            try:
+                r = await self.client.get(f"{b.url}/v1/models", timeout=self.config.connect_timeout_s)
+            except httpx.HTTPError:
+                continue
+            headers = dict(filter_headers(r.headers, DROP_RESPONSE_HEADERS))
+            return Response(r.content, r.status_code, headers=headers)
+        return JSONResponse({"error": {"message": "no healthy backend", "type": "service_unavailable",
+                                       "param": None, "code": "no_healthy_backend"}}, 503,
+                            headers={"Retry-After": "1"})
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [b.describe(self.metrics.hit_rate_of(b.url)) for b in self.backends]
+
+
+def build_app(service: RouterService) -> FastAPI:
+    """The FastAPI app of a router service (started and stopped by the app's lifespan)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(title="tandem router", lifespan=lifespan)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await service.router.forward(request, "/v1/completions", chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await service.router.forward(request, "/v1/chat/completions", chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await service.models()
+
+    @app.get("/health")
+    async def health() -> Response:
+        n = sum(b.state.healthy for b in service.backends)
+        return JSONResponse({"healthy_backends": n}, 200 if n else 503)
+
+    @app.get("/backends")
+    async def backends() -> JSONResponse:
+        return JSONResponse({"policy": service.config.policy, "backends": service.describe()})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def run_router(config: RouterConfig, log_level: str = "info") -> int:
+    """Serves the router until interrupted (uvicorn on ``config.host:config.port``)."""
+    import uvicorn
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # NOTE: not a line per proxied request
+    uvicorn.run(build_app(RouterService(config)), host=config.host, port=config.port,
+                log_level=log_level.lower(), timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,128 @@
+"""One OpenAI-compatible HTTP backend of the router: routing state, health, KV event feed, discovery."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from tandem.router.config import RouterConfig
+from tandem.router.health import BackendHealth
+from tandem.router.kv_index import DEFAULT_APPROX_CAPACITY_BLOCKS, ApproxBlockIndex, EventBlockIndex
+from tandem.router.kv_subscriber import KVEventSubscriber, endpoint_from_load
+
+logger = logging.getLogger(__name__)
+
+
+class HttpBackend:
+    """An HTTP backend (Tandem, vLLM, llama.cpp's server, ...) behind the router.
+
+    Attributes:
+        url: its base URL. state: its ``BackendState`` (the policy's view). health: ``BackendHealth``.
+        subscriber: the KV event feed when it publishes events (then ``state.index`` is an
+            ``EventBlockIndex``), else None (an ``ApproxBlockIndex``).
+        load: its last ``/load`` answer (Tandem only; None for other servers or before discovery).
+        busy_until: monotonic time until which it is skipped after answering 429 (its ``Retry-After``).
+    """
+
+    def __init__(self, url: str, config: RouterConfig, on_eject: Callable[[str], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        from tandem.router.policy import BackendState
+
+        self.url = url
+        self.config = config
+        self._clock = clock
+        capacity = config.approx_capacity_blocks or DEFAULT_APPROX_CAPACITY_BLOCKS
+        self.state = BackendState(url, max_outstanding=config.max_outstanding_per_backend,
+                                  index=ApproxBlockIndex(capacity))
+        self.health = BackendHealth(self.state, config.failure_threshold, config.eject_s, config.max_eject_s,
+                                    clock, on_eject)
+        self.subscriber: KVEventSubscriber | None = None
+        self.load: dict[str, Any] | None = None
+        self.answered_load = False  # it answered GET /load at least once (any status)
+        self.busy_until = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self._clock() < self.busy_until
+
+    def mark_busy(self, retry_after: str | None) -> None:
+        """Skips the backend for its ``Retry-After`` seconds (default: the router's). Changes: ``busy_until``."""
+        try:
+            seconds = float(retry_after) if retry_after is not None else self.config.retry_after_s
+        except ValueError:
+            seconds = self.config.retry_after_s
+        self.busy_until = self._clock() + max(0.0, min(seconds, 60.0))
+
+    async def fetch_load(self, client: httpx.AsyncClient) -> dict[str, Any] | None:
+        """Its ``GET /load`` JSON (None when it is not a Tandem server or does not answer). Changes: ``load``,
+        ``answered_load``."""
+        try:
+            r = await client.get(f"{self.url}/load", timeout=self.config.connect_timeout_s)
+            self.answered_load = True
+            data = r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            data = None
+        self.load = data if isinstance(data, dict) else None
+        return self.load
+
+    def use_events(self, endpoint: str, topic: str = "", replay_endpoint: str | None = None) -> None:
+        """Switches to an exact index fed from ``endpoint`` (the caller starts ``subscriber``). Changes:
+        ``state.index``, ``subscriber``."""
+        index = EventBlockIndex()
+        self.state.index = index
+        self.subscriber = KVEventSubscriber(endpoint, topic, index, self.url, replay_endpoint)
+
+    def configure(self, block_size: int) -> None:
+        """Chooses the index from the discovery: events (``--kv-events`` or ``/load``'s ``kv_events``) when
+        the backend's block size equals the router's, else the approximate index sized from
+        ``/load``'s ``num_kv_blocks``. Changes: ``state.index``, ``subscriber`` (not started)."""
+        load = self.load or {}
+        self.subscriber = None
+        explicit = dict(self.config.kv_events).get(self.url)
+        if load.get("block_size") not in (None, block_size):
+            logger.warning("backend %s has block size %s, the router %d: routing on approximate prefixes",
+                           self.url, load.get("block_size"), block_size)
+        elif explicit is not None:
+            self.use_events(explicit)
+            return
+        else:
+            found = endpoint_from_load(load, self.url)
+            if found is not None:
+                self.use_events(*found)
+                return
+        blocks = load.get("num_kv_blocks")
+        if self.config.approx_capacity_blocks is None and isinstance(blocks, int) and blocks > 0:
+            self.state.index = ApproxBlockIndex(blocks)
+
+    def events_moved(self) -> bool:
+        """True when ``load`` names another KV event endpoint than the one subscribed (a restarted
+        engine bound a new port, or one discovered late). No state changes."""
+        if dict(self.config.kv_events).get(self.url) is not None:
+            return False
+        found = endpoint_from_load(self.load or {}, self.url)
+        current = self.subscriber.endpoint if self.subscriber is not None else None
+        return found is not None and found[0] != current
+
+    async def probe(self, client: httpx.AsyncClient) -> tuple[bool, str]:
+        """One active ``GET /health``: (ok, reason). No state changes (the caller reports to ``health``)."""
+        try:
+            r = await client.get(f"{self.url}/health", timeout=self.config.connect_timeout_s)
+        except httpx.HTTPError as e:
+            return False, f"health check: {type(e).__name__}: {e}"
+        return r.status_code == 200, f"health check answered {r.status_code}"
+
+    def describe(self, hit_rate: float | None) -> dict[str, Any]:
+        """The JSON-ready view for ``GET /backends``. No state changes."""
+        s = self.state
+        index = s.index
+        return {"url": self.url, "healthy": s.healthy, **self.health.describe(),
+                "outstanding_requests": s.outstanding_requests, "outstanding_tokens": s.outstanding_tokens,
+                "max_outstanding": s.max_outstanding, "busy_for_s": round(max(0.0, self.busy_until - self._clock()), 3),
+                "index": "kv-events" if self.subscriber is not None else "approximate",
+                "indexed_blocks": len(index.blocks) if isinstance(index, EventBlockIndex) else len(index),
+                "kv_events": self.subscriber.describe() if self.subscriber is not None else None,
+                "routed_prefix_hit_rate": hit_rate}

@@ -1,0 +1,65 @@
+"""``tandem router``: flags, mapped one to one onto ``RouterConfig`` (``router/config.py``)."""
+
+from __future__ import annotations
+
+import argparse
+
+from tandem.router.config import RouterConfig
+from tandem.router.policy import DEFAULT_BETA, DEFAULT_POLICY, POLICIES
+
+
+def _kv_events_pair(text: str) -> tuple[str, str]:
+    url, sep, endpoint = text.partition("=")
+    if not sep or not url or not endpoint:
+        raise argparse.ArgumentTypeError(f"expected URL=ENDPOINT (e.g. http://127.0.0.1:8000=tcp://127.0.0.1:5557), "
+                                         f"got {text!r}")
+    return url, endpoint
+
+
+def add_router_parser(sub) -> argparse.ArgumentParser:
+    """Adds ``tandem router`` to the subcommands; returns its parser (other modes add their flags to it)."""
+    r = sub.add_parser("router", help="route OpenAI requests over several OpenAI-compatible servers")
+    r.add_argument("--backend", action="append", default=[], metavar="URL",
+                   help="an OpenAI-compatible server (Tandem, vLLM, llama.cpp), e.g. http://127.0.0.1:8000; repeat")
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=8080)
+    r.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICIES,
+                   help=f"routing policy (default {DEFAULT_POLICY})")
+    r.add_argument("--kv-beta", type=float, default=DEFAULT_BETA,
+                   help=f"kv-aware: weight of the relative load against the cached fraction (default {DEFAULT_BETA})")
+    r.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="the backends' tokenizer (folder or .gguf; default: the first backend's /v1/models root "
+                        "when it is a local path; kv-aware needs one)")
+    r.add_argument("--chat-template", default=None, help="the chat template the backends use (a file or Jinja text)")
+    r.add_argument("--block-size", type=int, default=None,
+                   help="the backends' KV block size in tokens (default: a Tandem backend's /load, else 16)")
+    r.add_argument("--kv-events", action="append", default=[], type=_kv_events_pair, metavar="URL=ENDPOINT",
+                   help="where a backend publishes KV events (default: its /load says, for Tandem); repeat")
+    r.add_argument("--max-outstanding-per-backend", type=int, default=None,
+                   help="requests in flight per backend beyond which the router answers 429 (default: no cap)")
+    r.add_argument("--health-interval", type=float, default=1.0, help="seconds between /health checks")
+    r.add_argument("--failure-threshold", type=int, default=3, help="consecutive 5xx answers that eject a backend")
+    r.add_argument("--eject-seconds", type=float, default=2.0,
+                   help="first ejection time; doubles after a failed half-open probe")
+    r.add_argument("--max-eject-seconds", type=float, default=30.0)
+    r.add_argument("--connect-timeout", type=float, default=2.0, help="seconds to connect to a backend")
+    r.add_argument("--request-timeout", type=float, default=600.0, help="seconds for a backend's whole response")
+    r.set_defaults(func=cmd_router)
+    return r
+
+
+def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """The frozen RouterConfig of the parsed flags (validation happens in the dataclass)."""
+    return RouterConfig(
+        backends=tuple(args.backend), policy=args.policy, beta=args.kv_beta, tokenizer=args.tokenizer,
+        chat_template=args.chat_template, block_size=args.block_size, kv_events=tuple(args.kv_events),
+        max_outstanding_per_backend=args.max_outstanding_per_backend, health_interval_s=args.health_interval,
+        failure_threshold=args.failure_threshold, eject_s=args.eject_seconds, max_eject_s=args.max_eject_seconds,
+        connect_timeout_s=args.connect_timeout, request_timeout_s=args.request_timeout, host=args.host,
+        port=args.port)
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from tandem.router.app import run_router
+
+    return run_router(router_config_from_args(args), getattr(args, "log_level", "WARNING"))

@@ -1,0 +1,139 @@
+"""Backend health: passive failures and active ``/health`` checks eject a backend; it is probed
+half-open before it is trusted again. A state machine on an injectable clock; no I/O.
+
+States (``HealthState``), as in a circuit breaker (Envoy's outlier detection, Nygard's *Release It!*):
+
+- ``HEALTHY``: routed normally. A connect error (refused, reset, timeout before the response) or a
+  failed active check ejects it at once; ``5xx`` responses eject it after ``failure_threshold``
+  in a row (one success resets the count).
+- ``EJECTED``: not routed (``BackendState.healthy`` False) for ``backoff`` seconds, which starts at
+  ``eject_s`` and doubles with every ejection that follows a half-open failure (at most
+  ``max_eject_s``). When it has passed, ``due_probe`` is True and the active checker probes ``/health``.
+- ``HALF_OPEN``: the probe passed; the backend takes one request at a time
+  (``BackendState.probation``). A success (a trial request, or the next passing probe) makes it
+  ``HEALTHY`` and resets the backoff; any failure ejects it again with a doubled backoff.
+
+``BackendHealth`` changes the ``BackendState`` it was given (``healthy``, ``probation``) and counts
+``ejections``; every method says what it changes.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable
+
+from tandem.router.policy import BackendState
+
+logger = logging.getLogger(__name__)
+
+
+class HealthState(enum.Enum):
+    HEALTHY = "healthy"
+    EJECTED = "ejected"
+    HALF_OPEN = "half_open"
+
+
+class BackendHealth:
+    """One backend's health state machine.
+
+    Args:
+        backend: its routing state (``healthy`` and ``probation`` are set from here).
+        failure_threshold: consecutive 5xx responses that eject it (>= 1).
+        eject_s / max_eject_s: the first and the largest ejection time in seconds.
+        clock: monotonic seconds.
+        on_eject: called with the reason at each ejection (the router counts them in /metrics).
+
+    Raises:
+        ValueError: ``failure_threshold < 1`` or ejection times not ``0 < eject_s <= max_eject_s``.
+    """
+
+    def __init__(self, backend: BackendState, failure_threshold: int = 3, eject_s: float = 2.0,
+                 max_eject_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
+                 on_eject: Callable[[str], None] | None = None) -> None:
+        if failure_threshold < 1:
+            raise ValueError(f"failure_threshold must be >= 1, got {failure_threshold}")
+        if not 0 < eject_s <= max_eject_s:
+            raise ValueError(f"need 0 < eject_s <= max_eject_s, got {eject_s} and {max_eject_s}")
+        self.backend = backend
+        self.failure_threshold = failure_threshold
+        self.eject_s = eject_s
+        self.max_eject_s = max_eject_s
+        self._clock = clock
+        self._on_eject = on_eject
+        self.state = HealthState.HEALTHY
+        self.consecutive_5xx = 0
+        self.ejections = 0
+        self.backoff_s = eject_s
+        self.ejected_until = 0.0
+        self.last_error: str | None = None
+
+    def _set(self, state: HealthState) -> None:
+        self.state = state
+        self.backend.healthy = state is not HealthState.EJECTED
+        self.backend.probation = state is HealthState.HALF_OPEN
+
+    def eject(self, reason: str) -> None:
+        """Stops routing to the backend for ``backoff_s`` seconds (doubled after a half-open failure).
+
+        Changes: state, ``ejections``, ``backoff_s``, ``ejected_until``, ``last_error``, ``backend.healthy``.
+        """
+        if self.state is HealthState.HALF_OPEN:
+            self.backoff_s = min(self.backoff_s * 2, self.max_eject_s)
+        elif self.state is HealthState.EJECTED:
+            self.last_error = reason
+            return
+        self.ejections += 1
+        self.last_error = reason
+        self.ejected_until = self._clock() + self.backoff_s
+        self.consecutive_5xx = 0
+        logger.warning("backend %s ejected for %.1f s: %s", self.backend.name, self.backoff_s, reason)
+        self._set(HealthState.EJECTED)
+        if self._on_eject is not None:
+            self._on_eject(reason)
+
+    def on_connect_error(self, reason: str) -> None:
+        """A request or probe could not reach the backend: ejects it. Changes: see ``eject``."""
+        self.eject(reason)
+
+    def on_response(self, status: int) -> None:
+        """A response's status: 5xx counts towards ejection; anything else is a success (a 4xx is the
+        client's doing, a 429 the backend's load: both show it alive). Changes: the 5xx count, state."""
+        if status >= 500:
+            self.consecutive_5xx += 1
+            if self.state is HealthState.HALF_OPEN or self.consecutive_5xx >= self.failure_threshold:
+                self.eject(f"{self.consecutive_5xx} consecutive {status} responses")
+            return
+        self.on_success()
+
+    def on_success(self) -> None:
+        """The backend answered well: a half-open backend becomes healthy. Changes: state, backoff, 5xx count."""
+        self.consecutive_5xx = 0
+        if self.state is HealthState.HALF_OPEN:
+            logger.info("backend %s is healthy again", self.backend.name)
+            self.backoff_s = self.eject_s
+            self._set(HealthState.HEALTHY)
+
+    @property
+    def due_probe(self) -> bool:
+        """True when an ejected backend's time is up and the active checker should probe it."""
+        return self.state is HealthState.EJECTED and self._clock() >= self.ejected_until
+
+    def on_probe(self, ok: bool, reason: str = "") -> None:
+        """The result of an active ``/health`` check. An ejected backend whose time is up goes half-open
+        on success; a half-open one becomes healthy; a failure ejects. Changes: state (see above)."""
+        if not ok:
+            self.eject(reason or "health check failed")
+        elif self.state is HealthState.EJECTED:
+            if self.due_probe:
+                logger.info("backend %s passed its probe: half-open", self.backend.name)
+                self._set(HealthState.HALF_OPEN)
+        else:
+            self.on_success()
+
+    def describe(self) -> dict[str, object]:
+        """The JSON-ready state for ``GET /backends``. No state changes."""
+        left = max(0.0, self.ejected_until - self._clock()) if self.state is HealthState.EJECTED else 0.0
+        return {"state": self.state.value, "ejections": self.ejections, "consecutive_5xx": self.consecutive_5xx,
+                "ejected_for_s": round(left, 3), "last_error": self.last_error}

@@ -1,0 +1,251 @@
+"""`tandem gateway` live on loopback: two real `tandem serve` processes (stories260K; the candidate
+with another context limit and model name) and a scripted faulty backend, driven by the official
+`openai` client through the gateway."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+
+import httpx
+import openai
+import pytest
+from faulty_backend import FaultyBackend, ThreadServer
+from live_server import Server, metric_samples
+
+from tandem.gateway.app import build_gateway_app
+from tandem.gateway.config import BackendConfig, CanaryConfig, FallbackConfig, GateConfig, GatewayConfig, ShadowConfig
+from tandem.gateway.proxy import Gateway
+
+GW_KEY, PRIMARY_KEY, CANDIDATE_KEY, FAULTY_KEY = "gw-client-key", "primary-key", "candidate-key", "faulty-key"
+
+
+@pytest.fixture(scope="module")
+def servers(stories_dir, tmp_path_factory):
+    """Primary: stories260K as `stories`; candidate: the same weights as `stories-next`, max-model-len 256."""
+    logs = tmp_path_factory.mktemp("gateway")
+    primary = Server(stories_dir, logs / "primary.log", "--api-key", PRIMARY_KEY, "--served-model-name", "stories")
+    candidate = Server(stories_dir, logs / "candidate.log", "--api-key", CANDIDATE_KEY, "--served-model-name",
+                       "stories-next", "--max-model-len", "256")
+    try:
+        primary.wait_healthy()
+        candidate.wait_healthy()
+        yield primary, candidate
+    finally:
+        primary.stop()
+        candidate.stop()
+
+
+@pytest.fixture
+def faulty():
+    backend = FaultyBackend()
+    with ThreadServer(backend.app) as server:
+        backend.url = server.url
+        yield backend
+
+
+def _config(primary_url: str, candidate: BackendConfig, **changes) -> GatewayConfig:
+    base = GatewayConfig(primary=BackendConfig("primary", primary_url, PRIMARY_KEY), candidate=candidate,
+                         api_key=GW_KEY, gates=GateConfig(enabled=False))
+    return dataclasses.replace(base, **changes)
+
+
+def _real_candidate(servers) -> BackendConfig:
+    return BackendConfig("candidate", servers[1].url, CANDIDATE_KEY, {"stories": "stories-next"})
+
+
+def _faulty_candidate(faulty) -> BackendConfig:
+    return BackendConfig("candidate", faulty.url, FAULTY_KEY, {"stories": "faulty"})
+
+
+class Running:
+    """A gateway in a uvicorn thread plus an openai client pointed at it."""
+
+    def __init__(self, config: GatewayConfig, rng_seed: int = 0) -> None:
+        self.gateway = Gateway(config, rng=random.Random(rng_seed))
+        self.server = ThreadServer(build_gateway_app(config, self.gateway))
+
+    def __enter__(self) -> Running:
+        self.server.__enter__()
+        self.url = self.server.url
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=GW_KEY, max_retries=0, timeout=30)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.close()
+        self.server.__exit__(*exc)
+
+    def complete(self, **kw):
+        raw = self.client.completions.with_raw_response.create(model="stories", prompt=kw.pop("prompt", "Once"),
+                                                                max_tokens=kw.pop("max_tokens", 2), temperature=0, **kw)
+        return raw.headers["x-tandem-backend"], raw.parse()
+
+    def status(self) -> dict:
+        return httpx.get(f"{self.url}/gateway/status", timeout=5).json()
+
+
+def test_weights_stickiness_keys_and_usage(servers):
+    config = _config(servers[0].url, _real_candidate(servers), canary=CanaryConfig(weight=0.5))
+    with Running(config, rng_seed=1) as gw:
+        n = 100
+        served = [gw.complete(max_tokens=1) for _ in range(n)]
+        to_candidate = sum(backend == "candidate" for backend, _ in served)
+        # NOTE: Binomial(100, 0.5) has sd 5; 3.5 sd either side fails a correct split once in ~2000 runs
+        assert 33 <= to_candidate <= 67, to_candidate
+        # the candidate got its own model name and key (the real server would answer 404 / 401 otherwise)
+        assert {r.model for b, r in served if b == "candidate"} == {"stories-next"}
+        by_user = [gw.complete(max_tokens=1, user="alice") for _ in range(15)]
+        by_header = [gw.complete(max_tokens=1, extra_headers={"x-session-id": "s-42"}) for _ in range(15)]
+        assert len({b for b, _ in by_user}) == 1 and len({b for b, _ in by_header}) == 1
+        stream = gw.client.completions.create(model="stories", prompt="Once", max_tokens=3, temperature=0,
+                                              stream=True, stream_options={"include_usage": True})
+        stream_usage = [c.usage for c in stream if c.usage][0]
+        seen = [r.usage for _, r in served + by_user + by_header] + [stream_usage]
+        totals = gw.status()["totals"]
+        assert totals["requests"] == n + 31
+        assert totals["completion_tokens"] == sum(u.completion_tokens for u in seen)
+        assert totals["prompt_tokens"] == sum(u.prompt_tokens for u in seen)
+        bad = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=PRIMARY_KEY, max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as e:
+            bad.completions.create(model="stories", prompt="x", max_tokens=1)
+        assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+
+
+def test_keys_never_cross_and_shadow_not_billed(servers, faulty):
+    config = _config(servers[0].url, _faulty_candidate(faulty), shadow=ShadowConfig(fraction=1.0))
+    with Running(config) as gw:
+        backend, answer = gw.complete(max_tokens=2)
+        assert backend == "primary"
+        deadline = time.monotonic() + 10
+        while gw.status()["shadow"]["compared"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        leg = faulty.requests[-1]
+        assert leg["shadow"] and leg["headers"]["authorization"] == f"Bearer {FAULTY_KEY}"
+        assert GW_KEY not in json.dumps(leg["headers"]) and PRIMARY_KEY not in json.dumps(leg["headers"])
+        assert leg["body"]["model"] == "faulty"
+        status = gw.status()
+        # the shadow's usage (5 tokens) is not in the totals: only the client's own request
+        assert status["totals"]["completion_tokens"] == answer.usage.completion_tokens
+        assert status["shadow"]["diverged"] == 1 and "text" in status["shadow"]["recent_divergences"][0]["tiers"]
+        assert "sample" not in status["shadow"]["recent_divergences"][0]
+
+
+def test_shadow_never_delays_primary(servers, faulty):
+    faulty.mode = "stall_shadow"
+    config = _config(servers[0].url, _faulty_candidate(faulty), shadow=ShadowConfig(fraction=1.0, max_concurrency=1))
+    with Running(config) as gw:
+        assert gw.complete()[0] == "primary"
+        # the primary answered while its shadow leg is still held by the candidate
+        assert gw.status()["shadow"]["in_flight"] == 1 and faulty.requests[-1]["shadow"]
+        assert gw.complete()[0] == "primary"  # beyond the bound: dropped, not queued
+        assert gw.status()["shadow"]["dropped"] == 1
+        faulty.release_shadows()
+        deadline = time.monotonic() + 10
+        while gw.status()["shadow"]["in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert gw.status()["shadow"]["compared"] == 1
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_breaker_opens_and_half_open_probe_closes(servers, faulty):
+    faulty.mode = "error"
+    config = _config(servers[0].url, _faulty_candidate(faulty), canary=CanaryConfig(weight=1.0),
+                     fallback=FallbackConfig(breaker_failures=3, breaker_cooldown_s=30))
+    clock = Clock()
+    gw_state = Gateway(config, clock=clock)
+    with ThreadServer(build_gateway_app(config, gw_state)) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=GW_KEY, max_retries=0)
+        for _ in range(3):  # each falls back to the primary
+            raw = client.completions.with_raw_response.create(model="stories", prompt="x", max_tokens=1)
+            assert raw.headers["x-tandem-backend"] == "primary"
+        assert gw_state.breakers["candidate"].state == "open" and len(faulty.requests) == 3
+        client.completions.create(model="stories", prompt="x", max_tokens=1)
+        assert len(faulty.requests) == 3  # open: the candidate is not tried
+        faulty.mode = "ok"
+        clock.now += 31
+        raw = client.completions.with_raw_response.create(model="stories", prompt="x", max_tokens=1)
+        assert raw.headers["x-tandem-backend"] == "candidate"  # the half-open probe
+        assert gw_state.breakers["candidate"].state == "closed"
+        m = metric_samples(server.url)
+        assert m[("tandem_gateway_breaker_opened_total", (("backend", "candidate"),))] == 1
+        assert m[("tandem_gateway_fallbacks_total", (("from_backend", "candidate"), ("to_backend", "primary")))] == 4
+        kinds = [e["message"] for e in gw_state.status()["events"] if e["kind"] == "breaker"]
+        assert kinds == ["candidate: closed -> open", "candidate: open -> half_open"] or \
+            kinds[-1] == "candidate: half_open -> closed"
+
+
+@pytest.mark.parametrize("fault", ["error", "slow"])
+def test_planted_regression_rolls_back(servers, faulty, fault):
+    faulty.mode, faulty.delay_s = ("error", 0.0) if fault == "error" else ("ok", 0.15)
+    gates = GateConfig(min_requests=4, max_error_rate=0.2, max_latency_ratio=2.0)
+    config = _config(servers[0].url, _faulty_candidate(faulty), canary=CanaryConfig(weight=0.5), gates=gates,
+                     fallback=FallbackConfig(breaker_failures=100))
+    with Running(config) as gw:
+        for _ in range(4):  # primary latency samples first
+            gw.client.completions.create(model="stories", prompt="x", max_tokens=4, stream=True,
+                                         extra_headers={"x-session-id": "p"}).close()
+        for i in range(40):
+            if gw.status()["canary"]["rolled_back"]:
+                break
+            list(gw.client.completions.create(model="stories", prompt="x", max_tokens=4, stream=True, user=f"u{i}"))
+        status = gw.status()
+        assert status["canary"]["rolled_back"] and status["canary"]["weights"]["candidate"] == 0
+        reason = status["canary"]["rollback_reason"]
+        assert ("error rate" in reason) if fault == "error" else ("p95 TTFT" in reason or "p95 TPOT" in reason)
+        assert [e["kind"] for e in status["events"]].count("rollback") == 1
+        m = metric_samples(gw.url)
+        assert m[("tandem_gateway_rolled_back", ())] == 1 and m[("tandem_gateway_canary_weight", ())] == 0
+        assert {gw.complete(user=f"after{i}")[0] for i in range(10)} == {"primary"}
+
+
+def test_midstream_failure_ends_with_error_event_and_done(servers, faulty):
+    faulty.mode = "midstream"
+    config = _config(servers[0].url, _faulty_candidate(faulty), canary=CanaryConfig(weight=1.0))
+    with Running(config) as gw:
+        body = {"model": "stories", "prompt": "x", "max_tokens": 3, "stream": True}
+        with httpx.stream("POST", f"{gw.url}/v1/completions", json=body, timeout=10,
+                          headers={"Authorization": f"Bearer {GW_KEY}"}) as r:
+            data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert r.status_code == 200 and r.headers["x-tandem-backend"] == "candidate"
+        assert [json.loads(d)["choices"][0]["text"] for d in data[:2]] == ["Once", " upon"]
+        assert json.loads(data[2])["error"]["code"] == "backend_stream_broken" and data[3] == "[DONE]"
+        assert len(data) == 4
+        with pytest.raises(openai.APIError, match="stream broke"):
+            list(gw.client.completions.create(model="stories", prompt="x", max_tokens=3, stream=True))
+        m = metric_samples(gw.url)
+        assert m[("tandem_gateway_midstream_failures_total", (("backend", "candidate"),))] == 2
+
+
+def _chromium() -> str:
+    import shutil
+
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        pytest.skip("Debian's chromium is not installed (.ci/run installs it with apt-get where apt works)")
+    return path
+
+
+def test_status_page_renders_weights_in_headless_chromium(faulty, tmp_path):
+    import subprocess
+
+    chromium = _chromium()
+    config = _config(faulty.url, _faulty_candidate(faulty), canary=CanaryConfig(weight=0.25))
+    with Running(config) as gw:
+        gw.complete()
+        cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+               "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=1500",
+               "--dump-dom", f"{gw.url}/gateway/"]
+        dom = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
+    assert '<b id="weight-primary">75.0%</b>' in dom and '<b id="weight-candidate">25.0%</b>' in dom
+    # the live refresh ran in the browser and redrew one row per backend
+    assert "refreshed live at 20" in dom and "rendered by the server" not in dom
+    assert dom.count("<tr><td>primary</td><td>closed</td>") == 1 and dom.count("<tr><td>candidate</td>") == 1

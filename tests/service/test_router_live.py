@@ -1,0 +1,126 @@
+"""`tandem router` in front of two `tandem serve` processes (stories260K), driven by the openai client."""
+
+import time
+
+import httpx
+import openai
+import pytest
+from live_server import MODEL, RouterProcess, Server, metric_samples
+
+KV_EVENTS = ('{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:*", '
+             '"replay_endpoint": "tcp://127.0.0.1:*"}')
+MESSAGES = [{"role": "system", "content": "You tell short stories."},
+            {"role": "user", "content": "Once upon a time there was a little dog"}]
+
+
+@pytest.fixture(scope="module")
+def cluster(stories_dir, chat_template_file, tmp_path_factory):
+    """Two backends (the second publishes KV events, the first does not) and a router capping each at
+    one request in flight, probing every 0.2 s."""
+    logs = tmp_path_factory.mktemp("router")
+    flags = ("--chat-template", str(chat_template_file), "--served-model-name", MODEL)
+    backends = [Server(stories_dir, logs / "backend0.log", *flags),
+                Server(stories_dir, logs / "backend1.log", *flags, "--kv-events-config", KV_EVENTS)]
+    # NOTE: the router starts with the backends; it finds them (and backend 1's KV events) when they answer
+    router = RouterProcess([b.url for b in backends], logs / "router.log", "--tokenizer", str(stories_dir),
+                           "--chat-template", str(chat_template_file), "--max-outstanding-per-backend", "1",
+                           "--health-interval", "0.2", "--eject-seconds", "1")
+    try:
+        for b in backends:
+            b.wait_healthy(300.0)  # NOTE: generous: three processes start at once on a loaded 2-core machine
+        router.wait_healthy(300.0)
+        deadline = time.monotonic() + 60
+        while [b["state"] for b in httpx.get(f"{router.url}/backends").json()["backends"]] != ["healthy"] * 2:
+            assert time.monotonic() < deadline, router.log()
+            time.sleep(0.1)
+        yield router, backends
+    finally:
+        for p in [router, *backends]:
+            p.stop()
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60.0)
+
+
+def _stream(url: str, **kw) -> list[tuple]:
+    chunks = _client(url).chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, temperature=0.0,
+                                                  stream_options={"include_usage": True}, **kw)
+    return [(c.object, c.model, [(ch.index, ch.delta.role, ch.delta.content, ch.finish_reason) for ch in c.choices],
+             c.usage.model_dump() if c.usage else None) for c in chunks]
+
+
+def test_streaming_passes_through_intact(cluster):
+    router, backends = cluster
+    direct = _stream(backends[0].url, max_tokens=24)
+    assert len(direct) > 3 and direct[-1][3]["completion_tokens"] == 24
+    for _ in range(2):  # whichever backend the router picks, the chunks are the direct ones
+        assert _stream(router.url, max_tokens=24) == direct
+    r = httpx.get(f"{router.url}/v1/models", timeout=10.0)
+    assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == [MODEL]
+
+
+def test_kv_aware_routes_to_the_backend_whose_events_announced_the_prefix(cluster):
+    router, backends = cluster
+    messages = [{"role": "system", "content": "A story about a cat named Tom who liked the sun. " * 3},
+                {"role": "user", "content": "Tell it."}]
+    _client(backends[1].url).chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{router.url}/backends").json()["backends"][1]["kv_events"]["received"] == 0:
+        assert time.monotonic() < deadline, "no KV event reached the router"
+        time.sleep(0.1)
+    before = metric_samples(router.url)
+    out = _client(router.url).chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert out.usage.completion_tokens == 2
+    after = metric_samples(router.url)
+    key = ("tandem_router:requests_total", (("backend", backends[1].url),))
+    assert after[key] - before[key] == 1  # idle backends tie on load: the events decided
+    hits = ("tandem_router:routed_hit_blocks_total", (("backend", backends[1].url),))
+    assert after[hits] - before[hits] >= 3  # the system prompt's full blocks
+    info = httpx.get(f"{router.url}/backends").json()["backends"]
+    assert [b["index"] for b in info] == ["approximate", "kv-events"] and info[1]["kv_events"]["snapshots"] >= 1
+
+
+def test_429_with_retry_after_when_both_backends_are_full(cluster):
+    router, _ = cluster
+    client = _client(router.url)
+    held = [client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, max_tokens=400,
+                                           extra_body={"ignore_eos": True}) for _ in range(2)]
+    try:
+        for s in held:
+            next(iter(s))  # both dispatched: each backend holds one request in flight
+        t0 = time.monotonic()
+        with pytest.raises(openai.RateLimitError) as e:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+        assert time.monotonic() - t0 < 5.0
+        assert e.value.status_code == 429 and e.value.response.headers["retry-after"] == "1"
+        assert e.value.body["code"] == "all_backends_busy"
+    finally:
+        for s in held:
+            s.close()
+    deadline = time.monotonic() + 30
+    while any(b["outstanding_requests"] for b in httpx.get(f"{router.url}/backends").json()["backends"]):
+        assert time.monotonic() < deadline, "the closed streams were never completed at the router"
+        time.sleep(0.05)
+
+
+def test_stopped_backend_is_ejected_and_no_request_fails(cluster):
+    router, backends = cluster
+    stopped = backends[1]
+    ejections = httpx.get(f"{router.url}/backends").json()["backends"][1]["ejections"]
+    stopped.stop()
+    # the first request may still be sent to it: it is retried on the live backend before its first byte
+    # (one at a time: the router caps each backend at one request in flight)
+    client = _client(router.url)
+    outs = [client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0.0)
+            for _ in range(6)]
+    assert [o.usage.completion_tokens for o in outs] == [4] * 6
+    info = {b["url"]: b for b in httpx.get(f"{router.url}/backends").json()["backends"]}
+    assert info[stopped.url]["state"] == "ejected" and info[stopped.url]["ejections"] > ejections
+    assert info[backends[0].url]["state"] == "healthy"
+    time.sleep(1.5)  # past the first ejection: the half-open probe fails, it stays out
+    assert httpx.get(f"{router.url}/backends").json()["backends"][1]["state"] == "ejected"
+    m = metric_samples(router.url)
+    assert m[("tandem_router:ejections_total", (("backend", stopped.url),))] >= 1
+    assert m[("tandem_router:backend_healthy", (("backend", stopped.url),))] == 0
+    assert httpx.get(f"{router.url}/health").status_code == 200

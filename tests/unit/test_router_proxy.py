@@ -1,0 +1,347 @@
+"""The router's forwarding against scripted fake backends (httpx.MockTransport; no model, no sockets
+except the KV-event test's loopback ZeroMQ)."""
+
+import asyncio
+import contextlib
+import json
+import time
+
+import httpx
+import pytest
+
+from tandem.kv_cache.events import BlockStored, KVEventBatch, KVEventPublisher, hash_to_bytes, snapshot_batch
+from tandem.kv_cache.hashing import hash_token_blocks
+from tandem.router.app import RouterService, build_app
+from tandem.router.config import RouterConfig
+from tandem.router.health import HealthState
+from tandem.router.kv_index import EventBlockIndex
+from tandem.router.kv_subscriber import endpoint_from_load, reachable_endpoint
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+A, B, C = "http://a:1", "http://b:1", "http://c:1"
+BODY = {"model": "m", "prompt": "hello world, a prompt of some length", "max_tokens": 4}
+SSE = [b'data: {"choices":[{"text":"x"}]}\n\n', b'data: {"choices":[{"text":"y"}]}\n\n', b"data: [DONE]\n\n"]
+
+
+class CharTokenizer:
+    """One token per character; the chat template joins the contents."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def apply_chat_template(self, messages, chat_template=None, tokenize=False, add_generation_prompt=True):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+class Stream(httpx.AsyncByteStream):
+    def __init__(self, chunks, fail=False):
+        self.chunks, self.fail = chunks, fail
+
+    async def __aiter__(self):
+        for c in self.chunks:
+            yield c
+        if self.fail:
+            raise httpx.ReadError("backend died mid-stream")
+
+
+class Fakes:
+    """Scripted backends: ``script[url]`` is called with the request and returns a Response or raises."""
+
+    def __init__(self, **load):
+        self.calls: list[tuple[str, str]] = []
+        self.script = {}
+        self.load = load
+        self.down: set[str] = set()  # backends that refuse connections
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        self.calls.append((base, request.url.path))
+        if base in self.down:
+            raise httpx.ConnectError("connection refused", request=request)
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        if request.url.path == "/load":
+            return httpx.Response(200, json=self.load.get(base)) if base in self.load else httpx.Response(404)
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": "m", "root": None}]})
+        result = self.script[base](request)
+        return await result if asyncio.iscoroutine(result) else result
+
+    def posts(self, base=None):
+        return [b for b, p in self.calls if p.startswith("/v1/") and p != "/v1/models" and (base in (None, b))]
+
+
+def ok(request):
+    return httpx.Response(200, json={"echo": json.loads(request.content), "auth": request.headers.get("authorization")},
+                          headers={"x-backend": request.url.host})
+
+
+def refuse(request):
+    raise httpx.ConnectError("connection refused", request=request)
+
+
+async def _start(fakes, *backends, **kw):
+    kw.setdefault("policy", "least-load")
+    config = RouterConfig(backends=backends, health_interval_s=3600.0, **kw)
+    service = RouterService(config, tokenizer=CharTokenizer(), transport=httpx.MockTransport(fakes.handle))
+    await service.start()
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(service)), base_url="http://router")
+    return service, client
+
+
+async def _stop(service, client):
+    await client.aclose()
+    await service.stop()
+
+
+async def test_bodies_and_headers_pass_through_and_a_connect_error_is_retried_once():
+    fakes = Fakes()
+    fakes.script = {A: refuse, B: ok}
+    service, client = await _start(fakes, A, B)
+    r = await client.post("/v1/completions", json=BODY, headers={"Authorization": "Bearer k"})
+    assert r.status_code == 200 and r.headers["x-backend"] == "b"
+    assert r.json() == {"echo": BODY, "auth": "Bearer k"}
+    assert fakes.posts() == [A, B]
+    assert service.backends[0].health.state is HealthState.EJECTED
+    r = await client.post("/v1/completions", json=BODY)  # the ejected one is not tried again
+    assert r.status_code == 200 and fakes.posts() == [A, B, B]
+    metrics = (await client.get("/metrics")).text
+    assert 'tandem_router:ejections_total{backend="http://a:1"} 1.0' in metrics
+    assert "tandem_router:retries_total 1.0" in metrics
+    assert 'tandem_router:errors_total{backend="http://a:1",kind="connect"} 1.0' in metrics
+    assert 'tandem_router:requests_total{backend="http://b:1"} 2.0' in metrics
+    info = (await client.get("/backends")).json()["backends"]
+    assert [(x["url"], x["state"], x["outstanding_requests"]) for x in info] == [
+        (A, "ejected", 0), (B, "healthy", 0)]
+    await _stop(service, client)
+
+
+async def test_5xx_is_retried_once_then_relayed_as_is():
+    fakes = Fakes()
+    fakes.script = {u: (lambda r, u=u: httpx.Response(500, json={"error": {"message": f"boom {u}"}}))
+                    for u in (A, B, C)}
+    service, client = await _start(fakes, A, B, C, policy="round-robin")
+    r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 500 and r.json() == {"error": {"message": f"boom {B}"}}
+    assert fakes.posts() == [A, B]  # one retry, not a third attempt
+    assert all(b.health.consecutive_5xx == 1 for b in service.backends[:2])
+    await _stop(service, client)
+
+
+def _sse(chunks, fail=False):
+    return lambda r: httpx.Response(200, stream=Stream(chunks, fail), headers={"content-type": "text/event-stream"})
+
+
+async def test_a_stream_broken_before_its_first_chunk_is_retried_after_it_is_not():
+    fakes = Fakes()
+    fakes.script = {A: _sse([], fail=True), B: _sse(SSE)}
+    service, client = await _start(fakes, A, B)
+    r = await client.post("/v1/completions", json={**BODY, "stream": True})
+    assert r.status_code == 200 and r.content == b"".join(SSE) and fakes.posts() == [A, B]
+    assert service.backends[0].health.state is HealthState.EJECTED
+    service.backends[0].health.on_probe(True)  # (not due yet: stays ejected)
+    fakes.script = {A: _sse(SSE), B: _sse(SSE[:1], fail=True)}
+    r = await client.post("/v1/completions", json={**BODY, "stream": True})
+    events = r.content.split(b"\n\n")
+    assert events[0] + b"\n\n" == SSE[0] and fakes.posts() == [A, B, B]  # not retried on A
+    assert json.loads(events[1].removeprefix(b"data: "))["error"]["code"] == "backend_stream_broken"
+    assert events[2:] == [b"data: [DONE]", b""]
+    assert service.backends[1].health.state is HealthState.EJECTED
+    assert [b.state.outstanding_requests for b in service.backends] == [0, 0]
+    assert 'kind="stream"} 1.0' in (await client.get("/metrics")).text
+    await _stop(service, client)
+
+
+async def test_a_broken_json_body_drops_the_connection():
+    fakes = Fakes()
+    fakes.script = {A: lambda r: httpx.Response(200, stream=Stream([b'{"id": '], fail=True),
+                                                headers={"content-type": "application/json"})}
+    service, client = await _start(fakes, A)
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "backend_unreachable"
+    await _stop(service, client)
+
+
+async def test_sse_passes_through_byte_for_byte():
+    fakes = Fakes()
+    fakes.script = {A: _sse(SSE)}
+    service, client = await _start(fakes, A)
+    async with client.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as r:
+        body = b"".join([c async for c in r.aiter_raw()])
+        assert r.headers["content-type"] == "text/event-stream"
+    assert body == b"".join(SSE)
+    assert service.backends[0].state.outstanding_requests == 0
+    await _stop(service, client)
+
+
+async def test_backend_429s_pass_through_then_the_router_answers_429_itself():
+    fakes = Fakes()
+    busy = {"error": {"message": "queue full", "code": "queue_full"}}
+    fakes.script = {u: (lambda r: httpx.Response(429, json=busy, headers={"Retry-After": "3"})) for u in (A, B)}
+    service, client = await _start(fakes, A, B)
+    r = await client.post("/v1/completions", json=BODY)
+    assert (r.status_code, r.json(), r.headers["retry-after"]) == (429, busy, "3")
+    assert fakes.posts() == [A, B]
+    t0 = time.monotonic()
+    r = await client.post("/v1/completions", json=BODY)  # both still busy: not even tried
+    assert time.monotonic() - t0 < 1.0 and fakes.posts() == [A, B]
+    assert r.status_code == 429 and r.json()["error"]["code"] == "all_backends_busy"
+    assert int(r.headers["retry-after"]) in (2, 3)
+    assert all(b.health.state is HealthState.HEALTHY for b in service.backends)  # busy is not sick
+    await _stop(service, client)
+
+
+async def test_router_cap_answers_429_without_waiting_and_503_without_healthy_backends():
+    fakes = Fakes()
+    release = asyncio.Event()
+
+    async def slow(request):
+        await release.wait()
+        return ok(request)
+
+    fakes.script = {A: slow, B: slow}
+    service, client = await _start(fakes, A, B, max_outstanding_per_backend=1)
+    held = [asyncio.create_task(client.post("/v1/completions", json=BODY)) for _ in range(2)]
+    while len(fakes.posts()) < 2:
+        await asyncio.sleep(0.01)
+    r = await asyncio.wait_for(client.post("/v1/completions", json=BODY), 5.0)
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"] == {"message": "every backend is at its limit; retry later", "type": "rate_limit_error",
+                                 "param": None, "code": "all_backends_busy"}
+    release.set()
+    assert [x.status_code for x in await asyncio.gather(*held)] == [200, 200]
+    assert sorted(fakes.posts()) == [A, B]
+    for b in service.backends:
+        b.health.eject("test")
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_backend" and r.headers["retry-after"]
+    assert (await client.get("/health")).status_code == 503
+    await _stop(service, client)
+
+
+async def test_kv_aware_keeps_a_shared_prefix_on_one_backend_without_events():
+    fakes = Fakes()
+    fakes.script = {A: ok, B: ok}
+    service, client = await _start(fakes, A, B, policy="kv-aware", block_size=4)
+    system = {"role": "system", "content": "a long shared system prompt " * 4}
+    tok, hashes = CharTokenizer(), []
+    for q in ("one?", "two?", "three?"):
+        messages = [system, {"role": "user", "content": q}]
+        r = await client.post("/v1/chat/completions", json={"messages": messages})
+        assert r.status_code == 200
+        hashes.append(hash_token_blocks(tok(tok.apply_chat_template(messages))["input_ids"], 4))
+    shared = len(set(hashes[0]) & set(hashes[1]) & set(hashes[2]))
+    other = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "unrelated"}]})
+    assert other.status_code == 200
+    first = fakes.posts()[0]
+    assert fakes.posts()[:3] == [first] * 3
+    info = {x["url"]: x for x in (await client.get("/backends")).json()["backends"]}
+    assert info[first]["index"] == "approximate"
+    unrelated = hash_token_blocks(tok(tok.apply_chat_template([{"role": "user", "content": "unrelated"}]))[
+        "input_ids"], 4)
+    total = sum(map(len, hashes)) + (len(unrelated) if fakes.posts()[3] == first else 0)
+    assert info[first]["routed_prefix_hit_rate"] == pytest.approx(2 * shared / total)
+    await _stop(service, client)
+
+
+def test_wildcard_event_endpoints_are_reached_at_the_backend_host():
+    assert reachable_endpoint("tcp://*:5557", "http://10.0.0.7:8000") == "tcp://10.0.0.7:5557"
+    assert reachable_endpoint("tcp://0.0.0.0:5557", "http://gpu1:8000") == "tcp://gpu1:5557"
+    assert reachable_endpoint("tcp://127.0.0.1:5557", "http://gpu1:8000") == "tcp://127.0.0.1:5557"
+    assert endpoint_from_load({"kv_events": None}, A) is None
+    assert endpoint_from_load({"kv_events": {"endpoint": "tcp://*:1", "replay_endpoint": "tcp://*:2", "topic": "t"}},
+                              "http://h:9") == ("tcp://h:1", "t", "tcp://h:2")
+
+
+async def test_kv_events_found_in_load_feed_the_index_from_a_snapshot_then_batches():
+    publisher = KVEventPublisher("tcp://127.0.0.1:*", topic="kv", replay_endpoint="tcp://127.0.0.1:*")
+    fakes = Fakes(**{A: {"block_size": 4, "num_kv_blocks": 64, "kv_events": {
+        "endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint, "topic": "kv"}}})
+    fakes.script = {A: ok, B: ok}
+    hashes = hash_token_blocks([ord(c) for c in BODY["prompt"]], 4)
+    old = KVEventBatch(ts=0.0, events=[BlockStored([hash_to_bytes(h) for h in hashes[:1]], 4)])
+    publisher.publish(old)  # seq 0: before the router subscribed, in the snapshot below
+    service, client = await _start(fakes, A, B, policy="kv-aware")
+    a = service.backends[0]
+    assert isinstance(a.state.index, EventBlockIndex) and service.router.reader.block_size == 4
+    for _ in range(500):  # the engine loop's part: answer the snapshot request
+        publisher.serve_requests(lambda: snapshot_batch(hashes[:2], 4))
+        await asyncio.sleep(0.01)
+        if a.subscriber.snapshots:
+            break
+    assert a.state.index.blocks == set(hashes[:2]) and a.state.index.next_seq == 1
+    batch = KVEventBatch(ts=0.0, events=[BlockStored([hash_to_bytes(h) for h in hashes], 4)])
+    for _ in range(200):  # NOTE: ZeroMQ's slow joiner: resend until one arrives
+        publisher.publish(batch)
+        await asyncio.sleep(0.01)
+        if a.subscriber.received:
+            break
+    assert a.state.index.blocks == set(hashes)
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status_code == 200 and fakes.posts() == [A]
+    info = (await client.get("/backends")).json()["backends"][0]
+    assert info["index"] == "kv-events" and info["kv_events"]["snapshots"] == 1
+    assert info["indexed_blocks"] == len(hashes) and info["routed_prefix_hit_rate"] == 1.0
+    await _stop(service, client)
+    publisher.close()
+
+
+async def test_a_client_gone_before_the_body_starts_leaves_nothing_outstanding():
+    closed = []
+
+    class Tracked(Stream):
+        async def aclose(self):
+            closed.append(True)
+
+    fakes = Fakes()
+    sse = {"content-type": "text/event-stream"}
+    fakes.script = {A: lambda r: httpx.Response(200, stream=Tracked(SSE), headers=sse)}
+    service, client = await _start(fakes, A, max_outstanding_per_backend=1)
+    messages = [{"type": "http.request", "body": json.dumps({**BODY, "stream": True}).encode(), "more_body": False}]
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):
+        raise OSError("the client went away")
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "root_path": "", "query_string": b"", "headers": [(b"content-type", b"application/json")],
+             "server": ("router", 80), "client": ("127.0.0.1", 5)}
+    with contextlib.suppress(Exception):
+        await build_app(service)(scope, receive, send)
+    assert fakes.posts() == [A] and closed == [True]
+    assert service.backends[0].state.outstanding_requests == 0  # the cap of 1 is free again
+    assert (await client.post("/v1/completions", json=BODY)).status_code == 200  # not a 429: the slot is free
+    await _stop(service, client)
+
+
+async def test_a_backend_up_after_the_router_is_discovered_then_subscribed():
+    publisher = KVEventPublisher("tcp://127.0.0.1:*")
+    fakes = Fakes()
+    fakes.down = {A}
+    fakes.script = {A: ok, B: ok}
+    service, client = await _start(fakes, A, B, policy="kv-aware")
+    a = service.backends[0]
+    for _ in range(100):  # the health task's first round
+        if a.health.state is HealthState.EJECTED:
+            break
+        await asyncio.sleep(0.01)
+    assert a.health.state is HealthState.EJECTED and a.subscriber is None and not a.answered_load
+    fakes.down = set()
+    fakes.load[A] = {"block_size": 16, "kv_events": {"endpoint": publisher.endpoint, "topic": ""}}
+    a.health.ejected_until = 0.0  # its ejection time is up
+    await service._check(a)
+    assert a.health.state is HealthState.HALF_OPEN
+    assert a.subscriber is not None and a.subscriber.endpoint == publisher.endpoint
+    assert isinstance(a.state.index, EventBlockIndex)
+    await _stop(service, client)
+    publisher.close()
