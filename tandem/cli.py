@@ -305,11 +305,14 @@ def _add_optional_commands(sub) -> None:
     else:
         add_serve_parser(sub, add_engine_args)
     try:
-        from tandem.router.cli import add_router_parser
+        from tandem.router.cli import add_router_parser, cmd_router
+        from tandem.router.pd import add_pd_args, cmd_pd_router
     except ImportError:
         pass
     else:
-        add_router_parser(sub)
+        router = add_router_parser(sub)
+        add_pd_args(router)
+        router.set_defaults(func=lambda args: (cmd_pd_router if args.prefill or args.decode else cmd_router)(args))
     try:
         from tandem.bench.cli import add_bench_parser
     except ImportError:

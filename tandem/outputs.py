@@ -19,6 +19,9 @@ class Logprob:
 
 # One position's logprobs: token id -> Logprob; holds the sampled token plus the top-N.
 PositionLogprobs = dict[int, Logprob]
+# A prompt's logprobs (vLLM's ``PromptLogprobs``): one entry per prompt token, holding that token and the
+# top-N at its position; the first entry is None (no token precedes it).
+PromptLogprobs = list[PositionLogprobs | None]
 
 
 @dataclass
@@ -90,6 +93,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Per request: one PositionLogprobs per sampled token (only for requests that asked for logprobs).
     logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
+    # Per request that asked for prompt logprobs: the whole prompt's, sent with its first sampled token.
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
@@ -107,6 +112,7 @@ class EngineCoreOutput:
     # Speculative decoding, cumulative for this request: drafts verified and drafts accepted (tokens).
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # with the request's first output only
     # Disaggregated prefill (``tandem/disagg``): what a prefill leg hands to the decode side, or how a
     # decode leg got its prompt's KV; set on the request's last output only.
     kv_transfer_params: dict[str, Any] | None = None
@@ -142,4 +148,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # With ``SamplingParams.prompt_logprobs``: one entry per prompt token, the first None (vLLM's shape).
+    # Delta outputs carry it once, in the first output after the prompt was computed.
+    prompt_logprobs: PromptLogprobs | None = None
     kv_transfer_params: dict[str, Any] | None = None  # vLLM's field: see ``EngineCoreOutput``

@@ -9,6 +9,7 @@ from typing import Any
 _GREEDY_EPS = 1e-5
 # A seed must fit torch.Generator.manual_seed (int64); n > 1 children use seed + i, wrapped (see child_seed).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+MAX_LOGPROBS = 20  # top alternatives per position (OpenAI's cap; vLLM's default max_logprobs is 20)
 
 
 def _is_int(value: object) -> bool:
@@ -35,6 +36,9 @@ class SamplingParams:
       ``stop_token_ids`` until that many tokens have been generated.
     - ``logprobs`` N returns the sampled token's log-probability plus the N most likely tokens per
       position (log-softmax of the raw model logits, as vLLM does by default).
+    - ``prompt_logprobs`` N (vLLM) returns, for every prompt token after the first, its log-probability
+      given the tokens before it plus the N most likely tokens there (``RequestOutput.prompt_logprobs``;
+      position 0 is None). Such a request skips the prefix cache until its prompt is computed.
     - ``stop`` strings are cut from the text (unless ``include_stop_str_in_output``).
     - ``priority`` orders admission when the scheduler's policy is "priority": lower values first,
       ties by arrival time (vLLM semantics); ignored under "fcfs".
@@ -65,6 +69,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     priority: int = 0
     speculative: bool = True  # Tandem: False opts this request out of the engine's speculative decoding
@@ -83,7 +88,7 @@ class SamplingParams:
     def _check_types(self) -> None:
         """Rejects wrong types (bool is not an int here; NaN and infinities are not numbers here)."""
         ints = ("n", "top_k", "min_tokens", "priority")
-        optional_ints = ("seed", "max_tokens", "logprobs")
+        optional_ints = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
         floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
         for name in ints + optional_ints:
             value = getattr(self, name)
@@ -123,8 +128,10 @@ class SamplingParams:
             (0 <= self.min_tokens < 2**31, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20,
-             "logprobs", f"logprobs must be an integer in [0, 20], got {self.logprobs}"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             "logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+             f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
             (all(self.stop), "stop", "stop strings must be non-empty"),
             (self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, "seed",
              f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}"),

@@ -22,7 +22,7 @@ from typing import Literal
 from transformers import PreTrainedTokenizerBase
 
 from tandem.engine.detokenizer import IncrementalDetokenizer, standalone_token_text
-from tandem.outputs import CompletionOutput, EngineCoreOutput, PositionLogprobs, RequestOutput
+from tandem.outputs import CompletionOutput, EngineCoreOutput, PositionLogprobs, PromptLogprobs, RequestOutput
 from tandem.sampling_params import SamplingParams
 
 OutputKind = Literal["cumulative", "delta", "final"]
@@ -81,6 +81,11 @@ class _ChildState:
             self.finish_reason, self.stop_reason = "stop", stop_string
         elif output.finish_reason is not None:
             self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
+        if output.prompt_logprobs is not None and self.parent.prompt_logprobs is None:
+            self.parent.prompt_logprobs = output.prompt_logprobs
+            for position in output.prompt_logprobs:
+                for candidate, logprob in (position or {}).items():
+                    logprob.decoded_token = self._token_text(candidate)
         self.changed = True
         return stop_string
 
@@ -143,6 +148,8 @@ class _ParentState:
         self.output_kind = output_kind
         self.children: dict[int, _ChildState] = {}
         self.num_cached_tokens = 0
+        self.prompt_logprobs: PromptLogprobs | None = None  # from the first child that reports them
+        self.prompt_logprobs_sent = False  # delta mode: they go out once
         self.kv_transfer_params: dict | None = None
 
     @property
@@ -157,6 +164,8 @@ class _ParentState:
         delta = self.output_kind == "delta"
         children = sorted(self.children.values(), key=lambda c: c.index)
         outputs = [c.completion(delta) for c in children if c.changed or not delta]
+        prompt_logprobs = None if delta and self.prompt_logprobs_sent else self.prompt_logprobs
+        self.prompt_logprobs_sent = self.prompt_logprobs is not None
         return RequestOutput(
             request_id=self.parent_id,
             prompt=self.prompt,
@@ -164,6 +173,7 @@ class _ParentState:
             outputs=outputs,
             finished=finished,
             num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
             kv_transfer_params=self.kv_transfer_params,
         )
 

@@ -18,7 +18,8 @@ from tandem.sampling_params import SamplingParams
 
 def merge_delta(old: RequestOutput, new: RequestOutput) -> RequestOutput:
     """Two consecutive delta outputs of one prompt as one: per completion index, text, token ids and
-    logprobs are concatenated; the finish state and counters are the newer one's."""
+    logprobs are concatenated; the finish state and counters are the newer one's (prompt logprobs: whichever
+    carries them, sent once)."""
     by_index = {c.index: c for c in old.outputs}
     for c in new.outputs:
         prev = by_index.get(c.index)
@@ -28,7 +29,8 @@ def merge_delta(old: RequestOutput, new: RequestOutput) -> RequestOutput:
         logprobs = c.logprobs if prev.logprobs is None or c.logprobs is None else prev.logprobs + c.logprobs
         by_index[c.index] = replace(c, text=prev.text + c.text, token_ids=prev.token_ids + c.token_ids,
                                     logprobs=logprobs)
-    return replace(new, outputs=sorted(by_index.values(), key=lambda c: c.index))
+    return replace(new, outputs=sorted(by_index.values(), key=lambda c: c.index),
+                   prompt_logprobs=old.prompt_logprobs if new.prompt_logprobs is None else new.prompt_logprobs)
 
 
 class OutputCollector:

@@ -238,6 +238,64 @@ def dequantize_q4_1(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return load_extension().dequantize_q4_1(qweight, scale)
 
 
+__all__ += ["linear_q4_k", "linear_q5_0", "linear_q6_k"]
+
+
+def _routed(op: str):  # noqa: ANN202
+    """``op`` of the variant the kernel registry routes it to (the avx2 build for the GGUF K-quant linears)."""
+    from tandem.kernels import build, registry
+
+    return getattr(build.load_variant(registry.backend_for(op)), op)
+
+
+def linear_q5_0(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x [M, K] bf16 @ dequant(qweight, scale).T (+ bias)`` -> ``[M, N]`` bf16: GGUF Q5_0 blocks.
+
+    ``qweight [N, K/32 * 20]`` uint8 (per block: 4 bytes of 5th bits, 16 bytes of nibbles), ``scale [N, K/32]``
+    fp16 (``tandem/models/gguf_blocks.py``). avx2 only (``avx512_bf16`` routes it there): activations quantized
+    per block of 32 (``ggml_vec_dot_q5_0_q8_0``): within the activation bound (module docstring), plus fp32
+    rounding and the output's bf16 rounding. Any M, batch invariant.
+
+    Raises:
+        RuntimeError: wrong dtypes or shapes (raised by the kernel).
+    """
+    return _routed("linear_q5_0")(x, qweight, scale, bias)
+
+
+def linear_q4_k(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x [M, K] bf16 @ dequant(qweight, scale).T (+ bias)`` -> ``[M, N]`` bf16: GGUF Q4_K super-blocks.
+
+    ``qweight [N, K/256 * 140]`` uint8 (12 bytes of 6-bit scales and mins, 128 bytes of nibbles),
+    ``scale [N, K/256, 2]`` fp16 (d, dmin) (``tandem/models/gguf_blocks.py``). avx2 only: activations
+    quantized per token and block of 256 as llama.cpp's q8_K (``ggml_vec_dot_q4_K_q8_K``): ``dy ~ max|x_B| /
+    127``, so within ``sum_B max|x_B| / 254 * sum_{j in B} |w_j|`` plus fp32 rounding and bf16 output rounding.
+    Any M, batch invariant.
+
+    Raises:
+        RuntimeError: K is not a multiple of 256, or wrong dtypes/shapes (raised by the kernel).
+    """
+    return _routed("linear_q4_k")(x, qweight, scale, bias)
+
+
+def linear_q6_k(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x [M, K] bf16 @ dequant(qweight, scale).T (+ bias)`` -> ``[M, N]`` bf16: GGUF Q6_K super-blocks.
+
+    ``qweight [N, K/256 * 208]`` uint8 (ql[128], qh[64], 16 int8 scales), ``scale [N, K/256]`` fp16 (d). avx2
+    only: q8_K activations as ``linear_q4_k`` (``ggml_vec_dot_q6_K_q8_K``), the same bound. Any M, batch
+    invariant.
+
+    Raises:
+        RuntimeError: K is not a multiple of 256, or wrong dtypes/shapes (raised by the kernel).
+    """
+    return _routed("linear_q6_k")(x, qweight, scale, bias)
+
+
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """In-place ``rotary``: ``x [T, H, D]`` (heads contiguous, any token stride) with ``cos, sin [T, 1, D]``.
 

@@ -8,14 +8,16 @@ as JSON); ``GET /metrics`` (``metrics.py``).
 Start-up (``RouterService.start``): each backend's ``GET /load`` is read (Tandem servers answer it)
 for the block size, the KV event endpoint and the cache size (read again when a backend first
 answers later, or comes back from an ejection: a restarted engine may publish elsewhere); the
-tokenizer is ``--tokenizer`` or the first backend's ``/v1/models`` ``root`` when that is a local
-path (required for kv-aware); KV event subscribers start; the health task probes every backend each
-``health_interval_s`` (an ejected one only when its ejection time is up, ``health.py``).
+tokenizer is ``--tokenizer`` or (``with_default_tokenizer``, before the server starts) the first
+backend's ``/v1/models`` ``root`` when that is a local path (required for kv-aware); KV event
+subscribers start; the health task probes every backend each ``health_interval_s`` (an ejected
+one only when its ejection time is up, ``health.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from contextlib import asynccontextmanager
@@ -36,6 +38,30 @@ from tandem.router.proxy import DROP_RESPONSE_HEADERS, Router, filter_headers
 logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16  # CacheConfig.block_size
+NO_TOKENIZER = ("the kv-aware policy needs the backends' tokenizer: pass --tokenizer PATH (no backend's "
+                "/v1/models names a local folder)")
+
+
+def with_default_tokenizer(config: RouterConfig) -> RouterConfig:
+    """``config`` with ``tokenizer`` set to the first answering backend's ``/v1/models`` ``root`` when
+    that is a local path and none was given (blocking HTTP, before the server starts).
+
+    Raises:
+        ConfigError: kv-aware and no tokenizer found.
+    """
+    if config.tokenizer is not None:
+        return config
+    for url in config.backends:
+        try:
+            root = httpx.get(f"{url}/v1/models", timeout=config.connect_timeout_s).json()["data"][0].get("root")
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+            continue
+        if isinstance(root, str) and os.path.exists(root):
+            return dataclasses.replace(config, tokenizer=root)
+        break
+    if config.policy == "kv-aware":
+        raise ConfigError(NO_TOKENIZER)
+    return config
 
 
 class RouterService:
@@ -91,21 +117,15 @@ class RouterService:
         return count
 
     async def _load_tokenizer(self) -> Any | None:
+        """``config.tokenizer`` loaded (None: none; ``run_router`` resolved the default before start).
+
+        Raises:
+            ConfigError: kv-aware without a tokenizer, or one that does not load.
+        """
         path = self.config.tokenizer
         if path is None:
-            for b in self.backends:
-                try:
-                    data = (await self.client.get(f"{b.url}/v1/models", timeout=self.config.connect_timeout_s)).json()
-                    root = data["data"][0].get("root")
-                except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
-                    continue
-                if isinstance(root, str) and os.path.exists(root):
-                    path = root
-                break
-        if path is None:
             if self.config.policy == "kv-aware":
-                raise ConfigError("the kv-aware policy needs the backends' tokenizer: pass --tokenizer PATH "
-                                  "(the first backend's /v1/models names no local folder)")
+                raise ConfigError(NO_TOKENIZER)
             return None
         from tandem.bench.datasets import load_tokenizer
 
@@ -216,9 +236,14 @@ def build_app(service: RouterService) -> FastAPI:
 
 
 def run_router(config: RouterConfig, log_level: str = "info") -> int:
-    """Serves the router until interrupted (uvicorn on ``config.host:config.port``)."""
+    """Serves the router until interrupted (uvicorn on ``config.host:config.port``).
+
+    Raises:
+        ConfigError: kv-aware and no tokenizer (``with_default_tokenizer``).
+    """
     import uvicorn
 
+    config = with_default_tokenizer(config)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # NOTE: not a line per proxied request
     uvicorn.run(build_app(RouterService(config)), host=config.host, port=config.port,
                 log_level=log_level.lower(), timeout_graceful_shutdown=5)

@@ -16,6 +16,8 @@ from tandem.router.kv_subscriber import KVEventSubscriber, endpoint_from_load
 
 logger = logging.getLogger(__name__)
 
+PROBE_READ_TIMEOUT_S = 5.0  # for /health and /load answers
+
 
 class HttpBackend:
     """An HTTP backend (Tandem, vLLM, llama.cpp's server, ...) behind the router.
@@ -44,6 +46,8 @@ class HttpBackend:
         self.load: dict[str, Any] | None = None
         self.answered_load = False  # it answered GET /load at least once (any status)
         self.busy_until = 0.0
+        # NOTE: a busy server may take seconds to answer; only failing to connect is quick evidence
+        self._probe_timeout = httpx.Timeout(PROBE_READ_TIMEOUT_S, connect=config.connect_timeout_s)
 
     @property
     def busy(self) -> bool:
@@ -61,7 +65,7 @@ class HttpBackend:
         """Its ``GET /load`` JSON (None when it is not a Tandem server or does not answer). Changes: ``load``,
         ``answered_load``."""
         try:
-            r = await client.get(f"{self.url}/load", timeout=self.config.connect_timeout_s)
+            r = await client.get(f"{self.url}/load", timeout=self._probe_timeout)
             self.answered_load = True
             data = r.json() if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
@@ -110,7 +114,7 @@ class HttpBackend:
     async def probe(self, client: httpx.AsyncClient) -> tuple[bool, str]:
         """One active ``GET /health``: (ok, reason). No state changes (the caller reports to ``health``)."""
         try:
-            r = await client.get(f"{self.url}/health", timeout=self.config.connect_timeout_s)
+            r = await client.get(f"{self.url}/health", timeout=self._probe_timeout)
         except httpx.HTTPError as e:
             return False, f"health check: {type(e).__name__}: {e}"
         return r.status_code == 200, f"health check answered {r.status_code}"

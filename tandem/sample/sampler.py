@@ -200,15 +200,19 @@ def position_logprobs(
     logprobs: torch.Tensor, sampled: torch.Tensor, states: list[SamplingState]
 ) -> list[PositionLogprobs]:
     """Per row: the sampled token first, then the row's top-N (``params.logprobs``), ranks from 1."""
-    num_top = max(s.params.logprobs or 0 for s in states)
-    top_ids, top_lps, sampled_lps, sampled_ranks = ops.gather_logprobs(logprobs, sampled, num_top)
+    return positions_with_top(logprobs, sampled, [s.params.logprobs or 0 for s in states])
+
+
+def positions_with_top(logprobs: torch.Tensor, token_ids: torch.Tensor, num_tops: list[int]) -> list[PositionLogprobs]:
+    """Per row of ``logprobs [R, V]``: ``token_ids[row]`` (its logprob and vLLM rank) and the row's
+    ``num_tops[row]`` most likely tokens (ranks 1..N). ``token_ids``: ``[R]`` int64."""
+    top_ids, top_lps, token_lps, token_ranks = ops.gather_logprobs(logprobs, token_ids, max(num_tops, default=0))
     top_ids_l, top_lps_l = top_ids.tolist(), top_lps.tolist()
     result: list[PositionLogprobs] = []
-    for row, (token, lp, rank) in enumerate(zip(sampled.tolist(), sampled_lps.tolist(),
-                                                sampled_ranks.tolist(), strict=True)):
+    for row, (token, lp, rank) in enumerate(zip(token_ids.tolist(), token_lps.tolist(),
+                                                token_ranks.tolist(), strict=True)):
         position: PositionLogprobs = {token: Logprob(lp, rank)}
-        n = states[row].params.logprobs or 0
-        for j in range(n):
+        for j in range(num_tops[row]):
             position[top_ids_l[row][j]] = Logprob(top_lps_l[row][j], j + 1)
         result.append(position)
     return result

@@ -44,6 +44,7 @@ def make_output(request: Request, new_token_ids: list[int], runner_output: Model
         num_cached_tokens=max(request.num_cached_tokens, 0),
         num_draft_tokens=request.num_draft_tokens,
         num_accepted_tokens=request.num_accepted_tokens,
+        prompt_logprobs=runner_output.prompt_logprobs.get(request.request_id),
     )
 
 

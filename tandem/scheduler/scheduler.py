@@ -138,9 +138,13 @@ class Scheduler:
         Changes: block tables, the waiting queue, the request's status.
         Raises:
             As ``add_request``; ValueError: ``num_remote_tokens`` outside ``[1, num_prompt_tokens - 1]``,
-            or a hit that is not shorter than it.
+            a hit that is not shorter than it, or the request wants prompt logprobs (they need every prompt
+            position computed here).
         """
         self._validate_new(request)
+        if request.sampling_params.prompt_logprobs is not None:
+            raise ValueError(f"request {request.request_id!r}: prompt logprobs need the whole prompt computed "
+                             "here, not remote KV")
         if not 1 <= num_remote_tokens < request.num_prompt_tokens:
             raise ValueError(f"request {request.request_id!r}: num_remote_tokens must be in "
                              f"[1, {request.num_prompt_tokens - 1}], got {num_remote_tokens}")
@@ -325,6 +329,9 @@ class Scheduler:
         kv = self.kv_cache_manager
         if request.num_computed_tokens > 0:  # its first tokens' KV came from elsewhere, blocks owned
             hit_ids, num_hit, start = [], 0, request.num_computed_tokens
+        elif request.sampling_params.prompt_logprobs is not None and not request.output_token_ids:
+            # NOTE: cached blocks have no logits; prompt logprobs need every position computed (vLLM too).
+            hit_ids, num_hit, start = [], 0, 0
         else:
             hit_ids, num_hit = kv.get_computed_blocks(request)
             start = num_hit

@@ -179,6 +179,9 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: s
     logging.getLogger("tandem.requests").setLevel(logging.INFO)
     dp = parallel_config is not None and (parallel_config.data_parallel_size > 1
                                           or parallel_config.data_parallel_backend == "ray")
+    if dp and engine_config.kv_transfer is not None:
+        raise ValueError("--kv-transfer-config serves one engine core per server (its kv_port); it cannot be "
+                         "combined with --data-parallel-size > 1 or the ray backend yet")
     # NOTE: a bad --cpu-bind fails before any core starts
     if dp:
         from tandem.worker.dp_cpus import plan_engine_cpus

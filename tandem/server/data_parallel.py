@@ -39,7 +39,6 @@ def start_data_parallel(engine_config: EngineConfig, server_config: ServerConfig
     Raises:
         ValueError / FileNotFoundError: a bad config, CPU plan or model.
     """
-    from tandem.engine.core_client import EngineCoreStartError
     from tandem.engine.loading import load_chat_template
     from tandem.models.resolve import resolve_model_path
 
@@ -52,30 +51,31 @@ def start_data_parallel(engine_config: EngineConfig, server_config: ServerConfig
         launcher: Any = RayEngines(model_dir, engine_config, parallel, log_level)
     else:
         launcher = LocalEngines(model_dir, engine_config, parallel.data_parallel_size, log_level)
-    try:
-        clients = launcher.start_all()
-    except EngineCoreStartError as e:
-        launcher.close()
-        print(f"tandem: error: {e}", file=sys.stderr)
-        return None
-    return _edge(clients, launcher, engine_config, server_config, parallel, t0)
+    return _edge(launcher, engine_config, server_config, parallel, t0)
 
 
-def _edge(clients: list[Any], launcher: Any, engine_config: EngineConfig, server_config: ServerConfig,
-          parallel: ParallelConfig, t0: float) -> Any:
-    """One ``AsyncLLM`` per core (sharing one tokenizer front end) behind a ``DataParallelLLM``."""
+def _edge(launcher: Any, engine_config: EngineConfig, server_config: ServerConfig, parallel: ParallelConfig,
+          t0: float) -> Any:
+    """Starts the cores, loads the tokenizer front end meanwhile, waits for them; returns one
+    ``AsyncLLM`` per core (sharing the front end) behind a ``DataParallelLLM``, or None after printing
+    why a core failed to start."""
     from tandem.engine.async_llm import AsyncLLM
+    from tandem.engine.core_client import EngineCoreStartError
     from tandem.engine.dp_llm import DataParallelLLM
     from tandem.engine.loading import load_frontend
     from tandem.engine.supervisor import CrashLoopGuard
     from tandem.router.policy import make_policy
 
     try:
+        launcher.start()
         frontend = load_frontend(engine_config)
-        logger.info("front end ready in %.1f s; %d engine cores", time.monotonic() - t0, len(clients))
+        logger.info("front end ready in %.1f s; waiting for the engine cores", time.monotonic() - t0)
+        clients = launcher.wait()
+    except EngineCoreStartError as e:
+        launcher.close()
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return None
     except BaseException:
-        for client in clients:
-            client.close()
         launcher.close()
         raise
     instance_id = server_config.instance_id or uuid.uuid4().hex
@@ -104,24 +104,23 @@ class LocalEngines:
         self.configs = [dataclasses.replace(config, cpu_bind=p.cpu_bind, num_threads=p.num_threads)
                         for p in self.plans]
         self.supervisor_cls = CoreSupervisor
+        self.clients: list[Any] = []
         for rank, plan in enumerate(self.plans):
             logger.info("engine core %d: cores %s (cpu_bind %s, %d threads)", rank, plan.cpus, plan.cpu_bind,
                         plan.num_threads)
 
-    def start_all(self) -> list[Any]:
-        """Spawns every core, then waits for each. Raises: EngineCoreStartError (all closed first)."""
+    def start(self) -> None:
+        """Spawns every core (they load the model while the caller goes on)."""
         from tandem.engine.core_client import EngineCoreClient
 
-        clients = [EngineCoreClient.start(self.model_dir, c, self.log_level, p.cpus, rank)
-                   for rank, (c, p) in enumerate(zip(self.configs, self.plans, strict=True))]
-        try:
-            for client in clients:
-                client.wait_ready()
-        except BaseException:
-            for client in clients:
-                client.close()
-            raise
-        return clients
+        self.clients = [EngineCoreClient.start(self.model_dir, c, self.log_level, p.cpus, rank)
+                        for rank, (c, p) in enumerate(zip(self.configs, self.plans, strict=True))]
+
+    def wait(self) -> list[Any]:
+        """Waits for each core. Raises: EngineCoreStartError."""
+        for client in self.clients:
+            client.wait_ready()
+        return self.clients
 
     def restarter(self, rank: int) -> Any:
         """Starts a replacement for core ``rank`` on its CPU set (blocking; the supervisor's thread)."""
@@ -137,4 +136,6 @@ class LocalEngines:
         return ", ".join(f"core {r} on {p.cpus}" for r, p in enumerate(self.plans))
 
     def close(self) -> None:
-        """Nothing of its own to release (the clients close their processes)."""
+        """Closes every core started here (idempotent; the server closes the live clients too)."""
+        for client in self.clients:
+            client.close()

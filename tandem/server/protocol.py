@@ -1,7 +1,7 @@
 """OpenAI request and response schemas (pydantic), following the OpenAI API reference.
 
 Requests accept the OpenAI fields plus vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``request_id``); unknown fields are ignored, as
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``request_id``, ``prompt_logprobs``); unknown fields are ignored, as
 OpenAI and vLLM do. Fields that Tandem knows but cannot honour (``logit_bias``, ``suffix``,
 ``best_of``, tools, ``tool_choice``, ``parallel_tool_calls``, JSON modes, vLLM's ``guided_*``
 structured output) are refused with a 400 naming the field instead of being silently dropped.
@@ -14,23 +14,23 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
 from pydantic_core import PydanticCustomError
 
-from tandem.outputs import PositionLogprobs
-from tandem.sampling_params import SamplingParams, SamplingParamsError
+from tandem.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
 # Integer bounds, checked before anything reaches msgpack (64-bit) or torch. Lower bounds of n,
 # max_tokens and min_tokens are SamplingParams' (its messages); these add what keeps values encodable.
 MAX_N = 128  # OpenAI's cap on n; vLLM has none, but n engine requests per prompt must stay bounded
-# NOTE: child i of an n-sample request is seeded seed + i (make_requests, via child_seed), and torch and
-# msgpack need int64. The largest seed leaves room for i <= MAX_N - 1 (2**63 - 1 - (MAX_N - 1)), so
-# child seeds never wrap around: they stay exactly seed + i, as in vLLM.
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - MAX_N
+# NOTE: the full signed 64-bit range (torch.Generator and msgpack take int64). Child i of an n-sample
+# request is seeded seed + i wrapped into that range (SamplingParams.child_seed), so 2**63 - 1 with n = 2
+# gives the children 2**63 - 1 and -2**63.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1  # token counts, token ids and top_k are far below it
 TokenId = Annotated[int, Strict()]  # NOTE: Strict rejects true/false (lax mode reads them as 1/0)
 BoundedTokenId = Annotated[int, Strict(), Field(ge=0, le=INT32_MAX)]
 TokenCount = Annotated[int, Field(le=INT32_MAX)]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 # Fields of both endpoints that Tandem knows and does not honour: a non-null value is a 400 naming it.
 UNSUPPORTED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-                      "structured_outputs", "prompt_logprobs", "allowed_token_ids", "bad_words", "logits_processors")
+                      "structured_outputs", "allowed_token_ids", "bad_words", "logits_processors")
 
 
 def _first_lone_surrogate(value: Any) -> str | None:
@@ -110,7 +110,7 @@ class SamplingRequest(OpenAIModel):
     guided_grammar: Any = None
     guided_decoding_backend: Any = None
     structured_outputs: Any = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: NumLogprobs | None = None
     allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None
@@ -126,7 +126,8 @@ class SamplingRequest(OpenAIModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def to_sampling_params(
-        self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None
+        self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """SamplingParams from this request; absent fields take the model's defaults
         (generation_config.json), as vLLM does.
@@ -144,6 +145,7 @@ class SamplingRequest(OpenAIModel):
             "stop": [] if self.stop is None else self.stop, "stop_token_ids": self.stop_token_ids or [],
             "ignore_eos": self.ignore_eos, "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens, "logprobs": logprobs,
+            "prompt_logprobs": self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             "presence_penalty": self.presence_penalty or 0.0,
             "frequency_penalty": self.frequency_penalty or 0.0, "kv_transfer_params": self.kv_transfer_params,
         }
@@ -154,11 +156,12 @@ class SamplingRequest(OpenAIModel):
 
 
 class CompletionRequest(SamplingRequest):
-    """``POST /v1/completions``. ``max_tokens`` absent or null: up to the context limit."""
+    """``POST /v1/completions``. ``max_tokens`` absent or null: up to the context limit; 0 (with ``echo``)
+    returns the prompt alone, with its logprobs when ``logprobs`` is set (the legacy OpenAI API, vLLM)."""
 
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: NumLogprobs | None = None
     best_of: int | None = None
     suffix: str | None = None
 
@@ -168,9 +171,21 @@ class CompletionRequest(SamplingRequest):
             raise SamplingParamsError("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise SamplingParamsError("best_of must be absent or equal to n", "best_of")
+        max_tokens = self.max_tokens
+        if max_tokens == 0:
+            if not self.echo:
+                raise SamplingParamsError("max_tokens must be at least 1 (0 only with echo: the prompt alone)",
+                                          "max_tokens")
+            max_tokens = 1  # NOTE: one token is generated and dropped (as vLLM does); the prompt runs anyway
+        prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
-            raise SamplingParamsError("echo with logprobs (prompt logprobs) is not supported", "echo")
-        return self.to_sampling_params(defaults, self.max_tokens, self.logprobs)
+            prompt_logprobs = max(self.logprobs, prompt_logprobs or 0)
+        return self.to_sampling_params(defaults, max_tokens, self.logprobs, prompt_logprobs)
+
+    @property
+    def prompt_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: the answer is the prompt (and its logprobs) alone."""
+        return self.echo and self.max_tokens == 0
 
 
 class ChatMessage(OpenAIModel):
@@ -213,7 +228,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     messages: list[ChatMessage]
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: NumLogprobs | None = None
     max_completion_tokens: TokenCount | None = None
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
@@ -237,11 +252,8 @@ class ChatCompletionRequest(SamplingRequest):
             raise SamplingParamsError("tool_choice is only allowed when tools are given, and tools are not "
                                       "supported", "tool_choice")
         self.refuse_unsupported(("parallel_tool_calls", "functions", "function_call", "prediction", "audio"))
-        if self.top_logprobs is not None:
-            if not 0 <= self.top_logprobs <= 20:
-                raise SamplingParamsError("top_logprobs must be an integer in [0, 20]", "top_logprobs")
-            if not self.logprobs:
-                raise SamplingParamsError("top_logprobs requires logprobs to be true", "top_logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise SamplingParamsError("top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         if self.max_completion_tokens is None:
             return self.to_sampling_params(defaults, self.max_tokens, logprobs)
@@ -273,10 +285,22 @@ class DetokenizeRequest(OpenAIModel):
 
 
 # ---- responses ----
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+        """Usage with ``prompt_tokens_details.cached_tokens`` (prefix-cache hits, as OpenAI reports them)."""
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class CompletionLogprobs(BaseModel):
@@ -286,22 +310,40 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprobEntry(BaseModel):
+    """One candidate of vLLM's ``prompt_logprobs``: its logprob, vLLM rank and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's response shape: per prompt token (the first one null) its token and the top-N, by token id.
+PromptLogprobsJSON = list[dict[str, PromptLogprobEntry] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobsJSON | None = None  # vLLM's extra (request field prompt_logprobs)
 
 
-class CompletionResponse(BaseModel):
+class ResponseBase(BaseModel):
+    """Fields every completion and chat completion response (and chunk) carries."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo | None = None
     kv_transfer_params: dict[str, Any] | None = None  # vLLM's field (disaggregated prefill)
+
+
+class CompletionResponse(ResponseBase):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class ChatTopLogprob(BaseModel):
@@ -332,15 +374,10 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(ResponseBase):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    system_fingerprint: str | None = None
-    usage: UsageInfo | None = None
-    kv_transfer_params: dict[str, Any] | None = None  # vLLM's field (disaggregated prefill)
+    prompt_logprobs: PromptLogprobsJSON | None = None  # vLLM's extra (request field prompt_logprobs)
 
 
 class ModelCard(BaseModel):
@@ -356,50 +393,3 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-# ---- logprobs in OpenAI shapes ----
-def token_text(tokenizer: Any, token_id: int, logprob: Any = None) -> str:
-    """The text of one token as OpenAI shows it (the detokenized token, not the BPE symbol)."""
-    decoded = getattr(logprob, "decoded_token", None)
-    return decoded if decoded is not None else tokenizer.decode([token_id])
-
-
-def _top(position: PositionLogprobs, num: int) -> list[tuple[int, Any]]:
-    """The ``num`` most likely entries of one position, by rank."""
-    return sorted(position.items(), key=lambda kv: kv[1].rank)[:num]
-
-
-def completion_logprobs(
-    tokenizer: Any, token_ids: list[int], positions: list[PositionLogprobs], num: int, text_offset: int
-) -> tuple[CompletionLogprobs, int]:
-    """Completions ``logprobs`` for these tokens; ``text_offset`` is the character offset of the
-    first one. Returns the object and the offset after the last token."""
-    out = CompletionLogprobs()
-    for token_id, position in zip(token_ids, positions, strict=False):
-        sampled = position[token_id]  # NOTE: each position holds the sampled token plus the top-N
-        text = token_text(tokenizer, token_id, sampled)
-        out.tokens.append(text)
-        out.token_logprobs.append(sampled.logprob)
-        out.top_logprobs.append({token_text(tokenizer, t, lp): lp.logprob for t, lp in _top(position, num)})
-        out.text_offset.append(text_offset)
-        text_offset += len(text)
-    return out, text_offset
-
-
-def chat_logprobs(
-    tokenizer: Any, token_ids: list[int], positions: list[PositionLogprobs], num: int
-) -> ChatLogprobs:
-    """Chat ``logprobs.content``: one entry per token, each with its ``num`` top alternatives."""
-    content = []
-    for token_id, position in zip(token_ids, positions, strict=False):
-        sampled = position[token_id]
-        text = token_text(tokenizer, token_id, sampled)
-        top = []
-        for t, lp in _top(position, num):
-            alt = token_text(tokenizer, t, lp)
-            top.append(ChatTopLogprob(token=alt, logprob=lp.logprob, bytes=list(alt.encode("utf-8"))))
-        content.append(ChatTokenLogprob(
-            token=text, logprob=sampled.logprob, bytes=list(text.encode("utf-8")), top_logprobs=top,
-        ))
-    return ChatLogprobs(content=content)

@@ -17,13 +17,13 @@ from tandem.engine.async_llm import AsyncLLM, EngineDeadError, EngineRequestErro
 from tandem.engine.processor import check_context
 from tandem.outputs import CompletionOutput
 from tandem.sampling_params import SamplingParams
+from tandem.server.logprobs import chat_logprobs, prompt_logprobs_json
 from tandem.server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatResponseMessage,
     UsageInfo,
-    chat_logprobs,
 )
 from tandem.server.serving_common import (
     DONE,
@@ -81,10 +81,10 @@ class OpenAIServingChat:
         (out,) = await final_outputs(streams)
         choices = [self._choice(c, params) for c in sorted(out.outputs, key=lambda c: c.index)]
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-        usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=completion_tokens,
-                          total_tokens=len(ids) + completion_tokens)
+        usage = UsageInfo.of(len(ids), completion_tokens, out.num_cached_tokens)
         response = ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
-                                          usage=usage, kv_transfer_params=out.kv_transfer_params)
+                                          usage=usage, kv_transfer_params=out.kv_transfer_params,
+                                          prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs))
         return JSONResponse(response.model_dump())
 
     def _logprobs(self, c: CompletionOutput, params: SamplingParams) -> Any:
@@ -111,13 +111,14 @@ class OpenAIServingChat:
         stream: RequestStream, params: SamplingParams,
     ) -> AsyncIterator[str]:
         include_usage = request.include_usage
-        completion_tokens = 0
+        completion_tokens = cached_tokens = 0
         try:
             for index in range(params.n):
                 role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None}
                 yield self._chunk(request_id, created, model, [role], include_usage)
             async for out in stream:
+                cached_tokens = out.num_cached_tokens
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
                     logprobs = self._logprobs(c, params)
@@ -131,8 +132,7 @@ class OpenAIServingChat:
                     yield self._chunk(request_id, created, model, [choice], include_usage)
             if include_usage:
                 n_prompt = len(stream.prompt_token_ids)
-                usage = UsageInfo(prompt_tokens=n_prompt, completion_tokens=completion_tokens,
-                                  total_tokens=n_prompt + completion_tokens)
+                usage = UsageInfo.of(n_prompt, completion_tokens, cached_tokens)
                 yield self._chunk(request_id, created, model, [], include_usage, usage)
         except (EngineDeadError, EngineRequestError) as e:
             yield stream_error(e)

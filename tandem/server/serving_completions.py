@@ -15,14 +15,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tandem.engine.async_llm import AsyncLLM, EngineDeadError, EngineRequestError, RequestStream
 from tandem.engine.processor import PromptError, check_context
-from tandem.outputs import RequestOutput
+from tandem.outputs import CompletionOutput, PositionLogprobs, PromptLogprobs, RequestOutput
 from tandem.sampling_params import SamplingParams
+from tandem.server.logprobs import completion_logprobs, prompt_logprobs_json
 from tandem.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     UsageInfo,
-    completion_logprobs,
 )
 from tandem.server.serving_common import (
     DONE,
@@ -96,10 +96,34 @@ class OpenAIServingCompletion:
         return JSONResponse(self._response(request, request_id, created, model, outs, prompts, params)
                             .model_dump())
 
-    @staticmethod
-    def _echo(request: CompletionRequest, prompt: tuple[str | None, list[int]]) -> str:
-        """The prompt text to prepend (decoded in the tokenizer thread by ``_tokenize``), or ""."""
-        return (prompt[0] or "") if request.echo else ""
+    def _choice_parts(
+        self, request: CompletionRequest, prompt: tuple[str | None, list[int]],
+        prompt_logprobs: PromptLogprobs | None, c: CompletionOutput, first: bool,
+    ) -> tuple[str, list[int], list[PositionLogprobs | None]]:
+        """Text, token ids and logprob positions of a choice's answer (or stream chunk). The first one
+        of a choice starts with the prompt under ``echo`` (its first token's position None, as OpenAI
+        shows it); with ``max_tokens`` 0 the prompt is all there is."""
+        text, ids, positions = c.text, c.token_ids, list(c.logprobs or [])
+        if request.prompt_only:
+            text, ids, positions = "", [], []
+        if request.echo and first:
+            text = (prompt[0] or "") + text
+            ids = prompt[1] + ids
+            positions = list(prompt_logprobs or [None] * len(prompt[1])) + positions
+        return text, ids, positions
+
+    def _choice(
+        self, request: CompletionRequest, index: int, parts: tuple[str, list[int], list[PositionLogprobs | None]],
+        c: CompletionOutput, params: SamplingParams, offset: int, prompt_logprobs: PromptLogprobs | None,
+    ) -> tuple[CompletionChoice, int]:
+        """One choice from its parts; ``offset``: its text's character offset. Returns it and the next offset."""
+        text, ids, positions = parts
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs, offset = completion_logprobs(self.tokenizer, ids, positions, params.logprobs, offset)
+        finish_reason = "length" if request.prompt_only and c.finish_reason is not None else c.finish_reason
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason,
+                                prompt_logprobs=prompt_logprobs_json(prompt_logprobs)), offset
 
     def _response(
         self, request: CompletionRequest, request_id: str, created: int, model: str,
@@ -107,18 +131,13 @@ class OpenAIServingCompletion:
     ) -> CompletionResponse:
         choices, completion_tokens = [], 0
         for i, out in enumerate(outs):
-            prefix = self._echo(request, prompts[i])
             for c in sorted(out.outputs, key=lambda c: c.index):
-                completion_tokens += len(c.token_ids)
-                logprobs = None
-                if params.logprobs is not None:
-                    logprobs, _ = completion_logprobs(
-                        self.tokenizer, c.token_ids, c.logprobs or [], params.logprobs, len(prefix))
-                choices.append(CompletionChoice(index=i * params.n + c.index, text=prefix + c.text,
-                                                logprobs=logprobs, finish_reason=c.finish_reason))
-        prompt_tokens = sum(len(ids) for _, ids in prompts)
-        usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                          total_tokens=prompt_tokens + completion_tokens)
+                parts = self._choice_parts(request, prompts[i], out.prompt_logprobs, c, True)
+                choice, _ = self._choice(request, i * params.n + c.index, parts, c, params, 0, out.prompt_logprobs)
+                choices.append(choice)
+                completion_tokens += 0 if request.prompt_only else len(c.token_ids)
+        usage = UsageInfo.of(sum(len(ids) for _, ids in prompts), completion_tokens,
+                             sum(out.num_cached_tokens for out in outs))
         return CompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage,
                                   kv_transfer_params=outs[0].kv_transfer_params if len(outs) == 1 else None)
 
@@ -127,33 +146,34 @@ class OpenAIServingCompletion:
         streams: list[RequestStream], prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
     ) -> AsyncIterator[str]:
         exclude = None if request.include_usage else {"usage"}
-        offsets: dict[int, int] = {}
+        offsets: dict[int, int] = {}  # choice index -> characters sent (its first chunk has gone out)
+        prompt_logprobs: dict[int, PromptLogprobs] = {}  # prompt index -> its prompt logprobs (sent once)
+        cached: dict[int, int] = {}
         completion_tokens = 0
         try:
             async for i, out in merge_streams(streams):
+                cached[i] = out.num_cached_tokens
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[i] = out.prompt_logprobs
                 for c in out.outputs:
                     index = i * params.n + c.index
-                    text = c.text
-                    if index not in offsets:
-                        text = self._echo(request, prompts[i]) + text
-                        offsets[index] = len(text) - len(c.text)
-                    completion_tokens += len(c.token_ids)
-                    logprobs = None
-                    if params.logprobs is not None:
-                        logprobs, offsets[index] = completion_logprobs(
-                            self.tokenizer, c.token_ids, c.logprobs or [], params.logprobs, offsets[index])
+                    if request.prompt_only and c.finish_reason is None:
+                        continue  # NOTE: the answer is the prompt; it goes out once the engine is done
+                    first = index not in offsets
+                    completion_tokens += 0 if request.prompt_only else len(c.token_ids)
                     # NOTE: one chunk per step with new tokens, even when their text is empty (special
                     # tokens, held-back stop-string prefixes), as vLLM does, so clients' ITL is comparable.
-                    if not c.token_ids and not text and c.finish_reason is None:
+                    if not first and not c.token_ids and not c.text and c.finish_reason is None:
                         continue
-                    choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                              finish_reason=c.finish_reason)
+                    parts = self._choice_parts(request, prompts[i], prompt_logprobs.get(i), c, first)
+                    choice, offsets[index] = self._choice(request, index, parts, c, params, offsets.get(index, 0),
+                                                          prompt_logprobs.get(i) if first else None)
+                    if params.logprobs is None:
+                        offsets[index] = offsets.get(index, 0) + len(parts[0])
                     yield sse(CompletionResponse(id=request_id, created=created, model=model,
                                                  choices=[choice]), exclude)
             if request.include_usage:
-                prompt_tokens = sum(len(ids) for _, ids in prompts)
-                usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                  total_tokens=prompt_tokens + completion_tokens)
+                usage = UsageInfo.of(sum(len(ids) for _, ids in prompts), completion_tokens, sum(cached.values()))
                 yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
                                              usage=usage))
         except (EngineDeadError, EngineRequestError) as e:

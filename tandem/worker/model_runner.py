@@ -29,6 +29,7 @@ from tandem.models.llama import KVCache
 from tandem.models.loader import DTYPES, load_model
 from tandem.models.quant import quantize_model
 from tandem.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tandem.sample.prompt_logprobs import PromptLogprobsState
 from tandem.sample.sampler import Sampler, SamplingState
 from tandem.spec_decode.rejection import VerifyResult
 from tandem.spec_decode.speculator import Speculator, build_proposer
@@ -144,6 +145,7 @@ class ModelRunner:
             # NOTE: after the proposer, so that a self-quantized draft starts from the float weights.
             quantize_model(self.model, engine_config.model.quantization)
         self.states: dict[str, SamplingState] = {}
+        self.prompt_logprobs: dict[str, PromptLogprobsState] = {}  # requests whose prompt logprobs are pending
         self.kv_caches: list[KVCache] = []
         self.num_blocks = 0
         # NOTE: once the model loaded: a start-up that fails says only why (one line), not the kernel path.
@@ -240,6 +242,7 @@ class ModelRunner:
                 [r.block_ids for r in rows], self.kv_caches,
             )
             ends = list(itertools.accumulate(len(r.token_ids) for r in rows))
+            self._add_prompt_logprobs(rows, hidden, ends)
             if sample_rows:
                 # NOTE: model-dtype logits: the sampler copies to float32 only the rows that need it,
                 # and greedy rows argmax them as they are.
@@ -249,6 +252,7 @@ class ModelRunner:
                     sample_rows, states, sampled.token_ids, sampled.logprobs, strict=True
                 ):
                     self._record(output, rows[i].request_id, state, VerifyResult([token], [logprobs]))
+                    self._send_prompt_logprobs(output, rows[i].request_id)
             if spec_rows:
                 self._verify(output, [rows[i] for i in spec_rows], hidden, [ends[i] for i in spec_rows])
             if self.speculator is not None:
@@ -267,6 +271,22 @@ class ModelRunner:
         for row, state, result in zip(rows, states, results, strict=True):
             self._record(output, row.request_id, state, result)
 
+    def _add_prompt_logprobs(self, rows: list[ScheduledRequest], hidden: torch.Tensor, ends: list[int]) -> None:
+        """Prompt logprobs from this step's prefill chunks, for the requests that asked for them."""
+        for row, end in zip(rows, ends, strict=True):
+            tracker = self.prompt_logprobs.get(row.request_id)
+            if tracker is not None and not tracker.sent:
+                prompt = self.states[row.request_id].prompt_token_ids
+                if row.num_computed_tokens < len(prompt) - 1:
+                    tracker.add_chunk(self.model.compute_logits, hidden[end - len(row.token_ids) : end], prompt,
+                                      row.num_computed_tokens)
+
+    def _send_prompt_logprobs(self, output: ModelRunnerOutput, request_id: str) -> None:
+        """Hands a request's prompt logprobs to the output of its first sampled token."""
+        tracker = self.prompt_logprobs.pop(request_id, None)
+        if tracker is not None:
+            output.prompt_logprobs[request_id] = tracker.take()
+
     @staticmethod
     def _record(output: ModelRunnerOutput, request_id: str, state: SamplingState, result: VerifyResult) -> None:
         """Appends a row's new tokens to its sampling state and to ``output`` (logprobs when asked)."""
@@ -278,6 +298,7 @@ class ModelRunner:
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
             self.states.pop(request_id, None)
+            self.prompt_logprobs.pop(request_id, None)
         if self.speculator is not None:
             self.speculator.remove(scheduler_output.finished_request_ids)
         for new in scheduler_output.new_requests:
@@ -285,6 +306,9 @@ class ModelRunner:
                 new.sampling_params, new.prompt_token_ids, new.output_token_ids, new.eos_token_ids,
                 default_generator=self.generator,
             )
+            if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids:
+                self.prompt_logprobs[new.request_id] = PromptLogprobsState(
+                    len(new.prompt_token_ids), new.sampling_params.prompt_logprobs)
 
     def _state(self, request_id: str) -> SamplingState:
         try:

@@ -54,7 +54,8 @@ def test_remote_core_gives_the_local_cores_greedy_output(remote_server, api_serv
     local = httpx.post(f"{api_server.url}/v1/completions", json={**GREEDY, "model": MODEL}, headers=AUTH, timeout=30)
     assert remote.status_code == 200 and local.status_code == 200
     assert remote.json()["choices"][0]["text"] == local.json()["choices"][0]["text"]
-    assert remote.json()["usage"] == {"prompt_tokens": 5, "completion_tokens": 24, "total_tokens": 29}
+    assert remote.json()["usage"] == {"prompt_tokens": 5, "completion_tokens": 24, "total_tokens": 29,
+                                      "prompt_tokens_details": {"cached_tokens": 0}}
     assert "core at tcp://127.0.0.1:" in remote_server.log()
 
 

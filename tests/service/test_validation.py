@@ -41,10 +41,10 @@ LE = "Input should be less than or equal to"
 @pytest.mark.parametrize("path, body, param, message", [
     ("/v1/completions", '{"prompt": "Hi", "max_tokens": 100000000000000000000000}', "max_tokens",
      f"max_tokens: {LE} 2147483647"),
-    ("/v1/completions", CMPL + '"seed": 100000000000000000000000000}', "seed", f"seed: {LE} 9223372036854775680"),
+    ("/v1/completions", CMPL + '"seed": 100000000000000000000000000}', "seed", f"seed: {LE} 9223372036854775807"),
     ("/v1/completions", CMPL + '"seed": -9223372036854775809}', "seed",
      "seed: Input should be greater than or equal to -9223372036854775808"),
-    ("/v1/completions", CMPL + '"seed": 18446744073709551615, "n": 2}', "seed", f"seed: {LE} 9223372036854775680"),
+    ("/v1/completions", CMPL + '"seed": 18446744073709551615, "n": 2}', "seed", f"seed: {LE} 9223372036854775807"),
     ("/v1/completions", CMPL + '"min_tokens": 18446744073709551616}', "min_tokens", f"min_tokens: {LE} 2147483647"),
     ("/v1/completions", CMPL + '"stop_token_ids": [100000000000000000000000]}', "stop_token_ids",
      f"stop_token_ids.0: {LE} 2147483647"),
@@ -82,9 +82,10 @@ LE = "Input should be less than or equal to"
      "messages.0.content: Input should be one of: str, list[dict[str,any]]"),
     ("/v1/chat/completions", CHAT + '"max_completion_tokens": 0}', "max_completion_tokens",
      "max_completion_tokens must be at least 1, got 0"),
-    ("/v1/completions", CMPL + '"logprobs": 21}', "logprobs", "logprobs must be an integer in [0, 20], got 21"),
-    ("/v1/chat/completions", CHAT + '"logprobs": true, "top_logprobs": 21}', "top_logprobs",
-     "top_logprobs must be an integer in [0, 20]"),
+    ("/v1/completions", CMPL + '"logprobs": 21}', "logprobs", f"logprobs: {LE} 20"),
+    ("/v1/completions", CMPL + '"prompt_logprobs": -1}', "prompt_logprobs",
+     "prompt_logprobs: Input should be greater than or equal to 0"),
+    ("/v1/chat/completions", CHAT + '"logprobs": true, "top_logprobs": 21}', "top_logprobs", f"top_logprobs: {LE} 20"),
 ])
 def test_invalid_values_are_400_not_500(server, path, body, param, message):
     r = post(server, path, body)
@@ -93,11 +94,15 @@ def test_invalid_values_are_400_not_500(server, path, body, param, message):
 
 
 def test_limits_at_the_bounds_are_accepted(server):
-    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "n": 128, "seed": 2**63 - 128, "temperature": 1.0}
+    # The full signed 64-bit seed range; children of n > 1 take seed + i wrapped into it.
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "n": 128, "seed": 2**63 - 1, "temperature": 1.0}
     r = post(server, "/v1/completions", body)
     assert r.status_code == 200, r.text
     assert sorted(c["index"] for c in r.json()["choices"]) == list(range(128))
     r = post(server, "/v1/completions", {**body, "n": 1, "seed": -(2**63), "stop_token_ids": [511]})
+    assert r.status_code == 200, r.text
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                              "max_tokens": 1, "seed": 2**63 - 1})
     assert r.status_code == 200, r.text
 
 

@@ -30,6 +30,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none());
   m.def("linear_q4_1", &linear_q4_1, "y = x @ (u * d + m).T (+ bias), GGUF Q4_1 weights", py::arg("x"),
         py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none());
+  // linear_kquant.cpp: GGUF Q5_0 (q8_0 activations) and Q4_K / Q6_K (q8_K activations, blocks of 256)
+  m.def("linear_q5_0", &linear_q5_0, "y = x @ dequant(w).T (+ bias), GGUF Q5_0 weights", py::arg("x"),
+        py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none());
+  m.def("linear_q4_k", &linear_q4_k, "y = x @ dequant(w).T (+ bias), GGUF Q4_K weights", py::arg("x"),
+        py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none());
+  m.def("linear_q6_k", &linear_q6_k, "y = x @ dequant(w).T (+ bias), GGUF Q6_K weights", py::arg("x"),
+        py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none());
   m.def("dequantize", &dequantize, "bf16 weight of an int8 or int4 layer", py::arg("qweight"), py::arg("scale"));
   m.def("dequantize_q8_0", &dequantize_q8_0, "bf16 weight of a q8_0 layer", py::arg("qweight"), py::arg("scale"));
   m.def("dequantize_q4_1", &dequantize_q4_1, "bf16 weight of a q4_1 layer", py::arg("qweight"), py::arg("scale"));

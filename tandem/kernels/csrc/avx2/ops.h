@@ -30,6 +30,11 @@ at::Tensor dequantize(at::Tensor qweight, at::Tensor scale);
 at::Tensor dequantize_q8_0(at::Tensor qweight, at::Tensor scale);
 at::Tensor dequantize_q4_1(at::Tensor qweight, at::Tensor scale);
 
+// linear_kquant.cpp: GGUF Q5_0 / Q4_K / Q6_K blocks (tandem/models/gguf_blocks.py)
+at::Tensor linear_q5_0(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::optional<at::Tensor> bias);
+at::Tensor linear_q4_k(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::optional<at::Tensor> bias);
+at::Tensor linear_q6_k(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::optional<at::Tensor> bias);
+
 // moe.cpp
 at::Tensor moe_bf16(at::Tensor x, at::Tensor w13, at::Tensor w2, at::Tensor weights, at::Tensor ids);
 

@@ -1,0 +1,247 @@
+"""Engine cores as Ray actors (``tandem serve -dp N --data-parallel-backend ray``).
+
+Each engine core is one ``EngineCoreActor`` in a placement group with one bundle of CPUs per engine
+(strategy SPREAD: on different nodes where the cluster has room, packed otherwise). The actor loads
+the model and serves it as ``tandem engine`` does (``core_service.EngineCoreService``, a ROUTER
+socket on its node's IP and a free port, behind the HMAC handshake with a secret made for this
+server), in a thread of the actor's process. The API server connects to each actor's address with
+``RemoteEngineCoreClient``. When an actor's process dies, Ray restarts it (``max_restarts``); the
+server notices the lost connection (in-flight requests end with 503), asks the restarted actor for
+its new address and reconnects (``RayCoreSupervisor``, which counts the restart in
+``tandem:engine_core_restarts_total``).
+
+Importing this module does not import ray (``RayEngines`` does; ``pip install 'tandem[ray]'``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from tandem.config import EngineConfig, ParallelConfig
+from tandem.engine.core_client import EngineCoreStartError
+from tandem.engine.remote_client import RECONNECT_TIMEOUT_S, RemoteCoreSupervisor, RemoteEngineCoreClient
+
+logger = logging.getLogger(__name__)
+
+RAY_MAX_RESTARTS = 10  # Ray restarts a dead engine actor this many times (then the server answers 503)
+PLACEMENT_TIMEOUT_S = 120.0  # the cluster must find CPUs for every bundle within this
+LOAD_TIMEOUT_S = 600.0  # every actor must have loaded its model within this
+
+
+class RayCoreSupervisor(RemoteCoreSupervisor):
+    """``RemoteCoreSupervisor`` whose reconnects are restarts: a Ray engine actor that drops its
+    connection has died and been restarted by Ray, so each reconnect is counted (``num_restarts``,
+    ``on_restart``) with the time from the loss to the reconnect (``last_restart_s``)."""
+
+    async def _restart(self) -> None:
+        t0, old = time.monotonic(), self.client
+        await super()._restart()
+        if self.client is old or self._closing:
+            return
+        self.num_restarts += 1
+        self.last_restart_s = time.monotonic() - t0
+        logger.warning("engine core actor back in %.2f s (restart %d)", self.last_restart_s, self.num_restarts)
+        if self.on_restart is not None:
+            self.on_restart()
+
+
+class ActorEngine:
+    """What an ``EngineCoreActor`` runs: one engine core served on ``tcp://<node ip>:<free port>`` in a
+    daemon thread. Blocks in ``__init__`` until the model is loaded.
+
+    Raises:
+        RuntimeError: the engine failed to load (its message).
+    """
+
+    def __init__(self, model_dir: str, config: EngineConfig, secret: bytes, rank: int, host: str) -> None:
+        self.rank = rank
+        self.address = ""
+        self._error: BaseException | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, args=(Path(model_dir), config, secret, host),
+                                        name=f"tandem-engine-{rank}", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise RuntimeError(f"engine core {rank} failed to start: {self._error}") from self._error
+
+    def _serve(self, model_dir: Path, config: EngineConfig, secret: bytes, host: str) -> None:
+        import zmq
+
+        from tandem.engine.core import EngineCore
+        from tandem.engine.core_proc import make_ready
+        from tandem.engine.core_service import EngineCoreService as Service
+        from tandem.engine.core_service import bind_router
+        from tandem.engine.handshake import PeerGate
+        from tandem.kv_cache.events import KVEventPublisher
+
+        ctx = zmq.Context()
+        try:
+            address = f"tcp://{host}:{_free_port(host)}"
+            sock = bind_router(ctx, address)
+            publisher = KVEventPublisher.from_config(config.kv_events, self.rank) if config.kv_events else None
+            core = EngineCore(model_dir, config, progress=False)
+            ready = make_ready(core, config, publisher, model_dir.name, core.runner.hf_config.vocab_size)
+            service = Service(core, sock, PeerGate(secret), ready, config.scheduler.max_queue_len, publisher,
+                              str(self.rank))
+        except BaseException as e:
+            self._error = e
+            self._ready.set()
+            ctx.term()
+            return
+        self.address = address
+        self._ready.set()
+        logger.info("engine core %d (pid %d) serving on %s", self.rank, os.getpid(), address)
+        service.run()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _actor_class() -> Any:
+    import ray
+
+    @ray.remote
+    class EngineCoreActor:
+        """A Ray actor holding one ``ActorEngine``."""
+
+        def __init__(self, model_dir: str, config: EngineConfig, secret: bytes, rank: int, log_level: str) -> None:
+            logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            self.service = ActorEngine(model_dir, config, secret, rank, ray.util.get_node_ip_address())
+
+        def address(self) -> str:
+            return self.service.address
+
+        def pid(self) -> int:
+            return os.getpid()
+
+    return EngineCoreActor
+
+
+class RayEngines:
+    """Places ``parallel.data_parallel_size`` engine actors on a Ray cluster and connects to them.
+
+    Args:
+        model_dir: the model folder, at the same path on every node.
+        config: each engine's config (threads: ``num_threads``, default the cluster's CPUs / N).
+        parallel: ``data_parallel_size`` and ``ray_address`` (None: ``ray.init``'s default).
+
+    Raises:
+        ValueError: ray is not installed.
+    """
+
+    supervisor_cls = RayCoreSupervisor
+
+    def __init__(self, model_dir: Path, config: EngineConfig, parallel: ParallelConfig, log_level: str) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise ValueError("--data-parallel-backend ray needs Ray: pip install 'tandem[ray]'") from None
+        self.ray = ray
+        self.model_dir = model_dir
+        self.dp = parallel.data_parallel_size
+        self.log_level = log_level
+        self.secret = secrets.token_hex(32).encode()  # NOTE: per server; only its actors learn it
+        self.started_ray = not ray.is_initialized()
+        if self.started_ray:
+            ray.init(address=parallel.ray_address, include_dashboard=False, log_to_driver=False)
+        cpus = config.num_threads or max(1, int(ray.cluster_resources().get("CPU", 1)) // self.dp)
+        # NOTE: Ray places the actor; pinning to core ids here would be guesswork about its node.
+        self.config = dataclasses.replace(config, num_threads=cpus, cpu_bind="none")
+        self.cpus = cpus
+        self.actors: list[Any] = []
+        self.addresses: list[str] = []
+        self.group = None
+
+    def start(self) -> None:
+        """Creates the placement group and the actors (which load the model meanwhile).
+
+        Raises:
+            EngineCoreStartError: the cluster cannot place the bundles.
+        """
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ray = self.ray
+        self.group = placement_group([{"CPU": self.cpus}] * self.dp, strategy="SPREAD")
+        try:
+            ray.get(self.group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise EngineCoreStartError(f"the Ray cluster cannot place {self.dp} engine cores of {self.cpus} CPU(s) "
+                                       f"each within {PLACEMENT_TIMEOUT_S:.0f} s ({ray.cluster_resources()})") from None
+        actor = _actor_class()
+        for rank in range(self.dp):
+            strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank)
+            self.actors.append(actor.options(num_cpus=self.cpus, max_restarts=RAY_MAX_RESTARTS, max_task_retries=0,
+                                             scheduling_strategy=strategy).remote(
+                str(self.model_dir), self.config, self.secret, rank, self.log_level))
+
+    def wait(self) -> list[RemoteEngineCoreClient]:
+        """Waits for every actor's model and connects to each (the front end must then attach soon:
+        a connected core drops a silent front end after ``handshake.PEER_TIMEOUT_S``).
+
+        Raises:
+            EngineCoreStartError: an actor failed, or a connection failed.
+        """
+        ray = self.ray
+        try:
+            self.addresses = ray.get([a.address.remote() for a in self.actors], timeout=LOAD_TIMEOUT_S)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
+            raise EngineCoreStartError(f"an engine core actor failed to start: {e}") from None
+        clients: list[RemoteEngineCoreClient] = []
+        try:
+            for address in self.addresses:
+                clients.append(RemoteEngineCoreClient.connect(address, self.secret))
+        except BaseException:
+            for client in clients:
+                client.close()
+            raise
+        return clients
+
+    def restarter(self, rank: int) -> Any:
+        """Reconnects to actor ``rank`` at its (possibly new) address; raises EngineCoreStartError while
+        Ray is still restarting it (the supervisor retries every second)."""
+
+        def reconnect() -> RemoteEngineCoreClient:
+            ray = self.ray
+            try:
+                address = ray.get(self.actors[rank].address.remote(), timeout=RECONNECT_TIMEOUT_S)
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
+                raise EngineCoreStartError(f"engine core actor {rank} is not back yet: {type(e).__name__}") from None
+            self.addresses[rank] = address
+            return RemoteEngineCoreClient.connect(address, self.secret, RECONNECT_TIMEOUT_S)
+
+        return reconnect
+
+    def pids(self) -> list[int]:
+        """The actors' process ids (for tests and operators)."""
+        return self.ray.get([a.pid.remote() for a in self.actors], timeout=30)
+
+    def describe(self) -> str:
+        return f"Ray actors at {', '.join(self.addresses)}, {self.cpus} CPU(s) each"
+
+    def close(self) -> None:
+        """Kills the actors (no restart), removes the placement group, and leaves the cluster."""
+        ray = self.ray
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if self.group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.group)
+        if self.started_ray:
+            ray.shutdown()

@@ -1,0 +1,85 @@
+"""Logprobs in the OpenAI response shapes (completions, chat) and vLLM's ``prompt_logprobs`` field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.outputs import PositionLogprobs, PromptLogprobs
+from tandem.server.protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    CompletionLogprobs,
+    PromptLogprobEntry,
+    PromptLogprobsJSON,
+)
+
+MIN_LOGPROB = -9999.0  # what -inf becomes in JSON (OpenAI's and vLLM's clamp)
+
+
+def token_text(tokenizer: Any, token_id: int, logprob: Any = None) -> str:
+    """The text of one token as OpenAI shows it (the detokenized token, not the BPE symbol)."""
+    decoded = getattr(logprob, "decoded_token", None)
+    return decoded if decoded is not None else tokenizer.decode([token_id])
+
+
+def _top(position: PositionLogprobs, num: int) -> list[tuple[int, Any]]:
+    """The ``num`` most likely entries of one position, by rank."""
+    return sorted(position.items(), key=lambda kv: kv[1].rank)[:num]
+
+
+def completion_logprobs(
+    tokenizer: Any, token_ids: list[int], positions: list[PositionLogprobs | None], num: int, text_offset: int
+) -> tuple[CompletionLogprobs, int]:
+    """Completions ``logprobs`` for these tokens; ``text_offset`` is the character offset of the
+    first one. Returns the object and the offset after the last token.
+
+    ``top_logprobs`` holds the ``num`` most likely tokens plus the chosen one (OpenAI: up to
+    ``logprobs + 1`` entries). A None position (the prompt's first token, under ``echo``) gives a
+    null logprob and null top (OpenAI's format). -inf is sent as -9999.0.
+    """
+    out = CompletionLogprobs()
+    for token_id, position in zip(token_ids, positions, strict=False):
+        if position is None:
+            text = tokenizer.decode([token_id])
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+        else:
+            chosen = position[token_id]  # NOTE: each position holds the chosen token plus the top-N
+            text = token_text(tokenizer, token_id, chosen)
+            out.token_logprobs.append(max(chosen.logprob, MIN_LOGPROB))
+            top = {token_text(tokenizer, t, lp): max(lp.logprob, MIN_LOGPROB) for t, lp in _top(position, num)}
+            if chosen.rank > num:
+                top.setdefault(text, max(chosen.logprob, MIN_LOGPROB))
+            out.top_logprobs.append(top)
+        out.tokens.append(text)
+        out.text_offset.append(text_offset)
+        text_offset += len(text)
+    return out, text_offset
+
+
+def prompt_logprobs_json(prompt_logprobs: PromptLogprobs | None) -> PromptLogprobsJSON | None:
+    """vLLM's ``prompt_logprobs`` response field: token id (a JSON key) -> logprob, rank, text."""
+    if prompt_logprobs is None:
+        return None
+    return [None if position is None else {
+        str(t): PromptLogprobEntry(logprob=max(lp.logprob, MIN_LOGPROB), rank=lp.rank, decoded_token=lp.decoded_token)
+        for t, lp in position.items()} for position in prompt_logprobs]
+
+
+def chat_logprobs(
+    tokenizer: Any, token_ids: list[int], positions: list[PositionLogprobs], num: int
+) -> ChatLogprobs:
+    """Chat ``logprobs.content``: one entry per token, each with its ``num`` top alternatives."""
+    content = []
+    for token_id, position in zip(token_ids, positions, strict=False):
+        sampled = position[token_id]
+        text = token_text(tokenizer, token_id, sampled)
+        top = []
+        for t, lp in _top(position, num):
+            alt = token_text(tokenizer, t, lp)
+            top.append(ChatTopLogprob(token=alt, logprob=lp.logprob, bytes=list(alt.encode("utf-8"))))
+        content.append(ChatTokenLogprob(
+            token=text, logprob=sampled.logprob, bytes=list(text.encode("utf-8")), top_logprobs=top,
+        ))
+    return ChatLogprobs(content=content)
