@@ -56,6 +56,9 @@ def add_serve_parser(
                         "--core-restart-window seconds (a crash loop; default 3; 1 = never restart)")
     p.add_argument("--core-restart-window", type=float, default=60.0, help="seconds (default 60)")
     p.add_argument("--instance-id", default=None, help="this server's id in /load and /metrics (default: a uuid)")
+    p.add_argument("--disaggregate", action="store_true",
+                   help="run a prefill server and a decode server on split cores (P/D disaggregation over "
+                        "loopback TCP) behind one OpenAI-compatible port (tandem/disagg/launch.py)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto" (needs --tool-call-parser), as vLLM')
     p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
@@ -136,9 +139,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if getattr(args, "engine_address", None) is not None:
         _refuse_engine_flags(args)
+    if getattr(args, "disaggregate", False):
+        return _serve_disaggregated(args)
     log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     return serve(engine_config_from_args(args), server_config_from_args(args), log_level,
                  default_name=args.model or DEFAULT_MODEL_NAME, parallel_config=parallel_config_from_args(args))
+
+
+def _serve_disaggregated(args: argparse.Namespace) -> int:
+    """``serve --disaggregate``: this command's own flags go to both sides (``disagg/launch.py``).
+
+    Raises: ValueError: combined with --kv-transfer-config, --engine-address or -dp > 1.
+    """
+    from tandem.disagg.launch import serve_disaggregated
+
+    if args.kv_transfer_config or getattr(args, "engine_address", None) or getattr(args, "data_parallel_size", 1) > 1:
+        raise ValueError("--disaggregate sets up its own --kv-transfer-config for both sides; it cannot be combined "
+                         "with --kv-transfer-config, --engine-address or --data-parallel-size > 1")
+    rest = sys.argv[sys.argv.index("serve") + 1:] if "serve" in sys.argv else []
+    return serve_disaggregated([a for a in rest if a != "--disaggregate"], args.host, args.port)
 
 
 # Engine flags that still mean something with a remote core: the tokenizer's folder and its template.
