@@ -13,6 +13,9 @@ Cases (``--cases``, default: the first four), each one table with Tandem first, 
   bf16-gguf     the file vs llama.cpp on the same file, batch 1 (f16-gguf: the same as F16 GGUF)
   hf-bf16       that checkpoint's bf16 Hugging Face folder: Tandem (and ``--tandem-quant`` rows) vs vLLM
                 CPU 0.32 vs AMD PACE 1.3, batch 1 and ``--batch`` (16) sequences
+                With ``--shapes qwen3-30b-a3b-l2`` (Qwen3-30B-A3B's widths and 128 experts, 2 layers) a -gguf
+                case is the mixture-of-experts table: Tandem at batch 1 and ``--batch``, llama.cpp at batch 1,
+                GB/s counted over the weights a token reads (8 of 128 experts per layer)
   shapes        the older per-shape table: ``--tandem-quant`` / ``--tandem-gguf`` rows, transformers,
                 llama.cpp on BF16 and Q8_0 GGUF files of the same checkpoint (default shapes: all)
 Metrics (tokens/s, median of ``--repeats``):
@@ -48,7 +51,14 @@ import torch
 # This checkout's tandem (not whichever one is pip-installed), and the sibling benchmark modules.
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 import peers  # noqa: E402
-from checkpoints import GGUF_TYPES, SHAPES, make_checkpoint, weight_bytes, write_gguf  # noqa: E402
+from checkpoints import (  # noqa: E402
+    GGUF_TYPES,
+    SHAPES,
+    active_weight_bytes,
+    make_checkpoint,
+    weight_bytes,
+    write_gguf,
+)
 from peers import PeerUnavailable  # noqa: E402
 
 CACHE = peers.CACHE
@@ -217,14 +227,20 @@ def build_case(case: str, shape: str, args, work: Path) -> dict:  # noqa: ANN001
     hf_dir = make_checkpoint(shape, work / shape / "hf")
     vocab = SHAPES[shape]["vocab_size"]
     gb = weight_bytes(hf_dir) / 1e9
+    moe = "num_experts" in SHAPES[shape]
     if case.endswith("-gguf"):
         qtype = case.removesuffix("-gguf")
         path = write_gguf(hf_dir, work / shape / f"model-{qtype}.gguf", qtype)
         backends.append(TandemBackend(path, args.threads, args.batch, None, args.clock,
                                       name=f"tandem GGUF {qtype.upper()}"))
+        if moe:  # NOTE: the MoE table has a batch row too (issue 16); llama.cpp's worker runs batch 1 only
+            batched.add(backends[-1].name)
         llama(f"llama.cpp {qtype.upper()}", path)
-        return {"title": f"{case} ({shape}, random weights): {CASES[case]}",
-                "weights": f"{path.name}, {path.stat().st_size / 1e9:.3f} GB file", "gb": path.stat().st_size / 1e9,
+        file_gb = path.stat().st_size / 1e9
+        # NOTE: a MoE step reads only the selected experts: GB/s is per active weight bytes (the MoE roofline)
+        active_gb = active_weight_bytes(hf_dir) / 1e9 * file_gb / gb if moe else file_gb
+        label = f"{path.name}, {file_gb:.3f} GB file" + (f", {active_gb:.3f} GB active per token" if moe else "")
+        return {"title": f"{case} ({shape}, random weights): {CASES[case]}", "weights": label, "gb": active_gb,
                 "vocab": vocab, "backends": backends, "batched": batched, "unavailable": unavailable}
     for q in args.tandem_quant:
         backends.append(TandemBackend(hf_dir, args.threads, args.batch, None if q == "none" else q, args.clock))

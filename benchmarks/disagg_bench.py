@@ -7,7 +7,7 @@ frames, written into its own cache) while the prefill engine serves between its 
 number of bytes then goes through a plain TCP socket (``sendall`` from a thread, ``recv_into`` a
 preallocated buffer). Both are timed side by side in one run; the ratio is the figure of merit.
 
-    python benchmarks/disagg_bench.py --model default --prompt-tokens 2000 --repeats 5
+    python benchmarks/disagg_bench.py --model default --prompt-tokens 2000 --repeats 5 [--synthetic]
 """
 
 from __future__ import annotations
@@ -52,6 +52,18 @@ def prefill(core: EngineCore, num_tokens: int) -> dict:
         for out in core.step():
             if out.finish_reason is not None:
                 return out.kv_transfer_params
+
+
+def hold_blocks(core: EngineCore, num_tokens: int) -> dict:
+    """``--synthetic``: blocks for ``num_tokens`` allocated and held under a lease without a forward pass
+    (their bytes are whatever the cache holds; a transfer moves them the same), as a prefill leg would."""
+    kv = core.scheduler.kv_cache_manager
+    request = Request("synthetic", list(range(num_tokens)), SamplingParams(max_tokens=1), max_tokens=1)
+    kv.allocate_slots(request, num_tokens)
+    block_ids = kv.hold(request, "bench-lease")
+    config = core.kv_connector.config
+    return {"remote_block_ids": block_ids, "remote_block_generations": kv.block_generations(block_ids),
+            "remote_host": config.kv_ip, "remote_port": config.kv_port, "remote_lease_id": "bench-lease"}
 
 
 def pull_times(producer: EngineCore, puller: KVPuller, params: dict, repeats: int) -> tuple[list[float], int]:
@@ -114,13 +126,15 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--prompt-tokens", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--synthetic", action="store_true",
+                    help="hold blocks for --prompt-tokens without computing them (no prefill forward pass)")
     ap.add_argument("--output", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     model = resolve_model_path(None if args.model == "default" else args.model)
     num_blocks = args.prompt_tokens // 16 + 8
     producer = prefill_engine(model, args.dtype, num_blocks)
     t0 = time.perf_counter()
-    params = prefill(producer, args.prompt_tokens)
+    params = hold_blocks(producer, args.prompt_tokens) if args.synthetic else prefill(producer, args.prompt_tokens)
     prefill_s = time.perf_counter() - t0
     consumer = EngineCore(model, EngineConfig(model=ModelConfig(model=str(model), dtype=args.dtype),
                                               cache=CacheConfig(num_blocks=num_blocks)), progress=False)

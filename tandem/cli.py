@@ -62,7 +62,8 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_bind_default: str = "none", 
                    help="torch threads (default: the allowed cores, capped by the cgroup CPU quota)")
     p.add_argument("--cpu-bind", default=cpu_bind_default, metavar="auto|none|LIST",
                    help="pin OpenMP thread i of the engine to core i: 'auto' (all allowed cores, one left to the "
-                        "server front end from 4 cores on), 'none', or a core list like '0-3,6' "
+                        "server front end from 4 cores on), 'none', or a core list like '0-3,6'; with serve -dp N, "
+                        "one list per engine joined by '/' like '0-3/4-7' "
                         f"(default: {cpu_bind_default})")
     p.add_argument("--kv-transfer-config", default=None, metavar="JSON",
                    help='disaggregated prefill/decode, as vLLM spells it: \'{"kv_connector":"TandemConnector",'

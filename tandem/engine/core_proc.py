@@ -204,10 +204,10 @@ class EngineCoreProc:
                 self.stalled = False
                 self.core.on_idle()  # KV transfers, lease expiry and a rate-limited integrity check
                 self.send_failed()
-                stats = self.stats()
+                stats, kv_events = self.stats(), self.take_kv_events()
                 # NOTE: an expired lease or a served KV pull changes the stats with no input: send them too.
-                if handled or stats != self.last_idle_stats:
-                    self.send(StepOutputs([], stats))
+                if handled or stats != self.last_idle_stats or kv_events is not None:
+                    self.send(StepOutputs([], stats, kv_events=kv_events))
                 self.last_idle_stats = stats
             self.serve_kv_requests()
 

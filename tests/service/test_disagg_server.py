@@ -152,3 +152,28 @@ def test_dead_prefill_server_gives_a_clean_503(pd):
     error = answer.json()["error"]
     assert error["code"] == "kv_transfer_failed" and "sent nothing for 1 s" in error["message"]
     assert httpx.get(decode.url + "/load").json()["kv_cache_usage"] == 0
+
+
+def test_serve_disaggregate_on_one_machine(pd, stories_dir, tmp_path):
+    _, decode, _ = pd
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve", "--disaggregate", "--model", str(stories_dir),
+                             "--dtype", "float32", "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=open(tmp_path / "disaggregate.log", "w"))  # noqa: SIM115
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600  # NOTE: two servers importing at once on a loaded shared machine
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        prompt = "A small red bird sat on the branch and sang a happy song for the children below"
+        answer = httpx.post(url + "/v1/completions", json={"prompt": prompt, **GREEDY}, timeout=60)
+        assert answer.status_code == 200, (tmp_path / "disaggregate.log").read_text()
+        assert answer.json()["kv_transfer_params"]["remote_prefill"] == "pulled"
+        assert answer.json()["choices"][0]["text"] == colocated(decode, prompt)
+    finally:
+        proc.terminate()
+        assert proc.wait(60) == 0
