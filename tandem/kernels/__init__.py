@@ -276,7 +276,8 @@ def linear_q4_k(
     Any M, batch invariant.
 
     Raises:
-        RuntimeError: K is not a multiple of 256, or wrong dtypes/shapes (raised by the kernel).
+        RuntimeError: x's K is not the weight's (``qweight`` rows hold whole blocks of 256), or wrong
+            dtypes/shapes (raised by the kernel).
     """
     return _routed("linear_q4_k")(x, qweight, scale, bias)
 
@@ -291,7 +292,7 @@ def linear_q6_k(
     invariant.
 
     Raises:
-        RuntimeError: K is not a multiple of 256, or wrong dtypes/shapes (raised by the kernel).
+        RuntimeError: x's K is not the weight's, or wrong dtypes/shapes (raised by the kernel).
     """
     return _routed("linear_q6_k")(x, qweight, scale, bias)
 
