@@ -1,6 +1,7 @@
 """`tandem drill`: rehearse the fallback. Steady load goes through the gateway, the candidate is
 stopped by a command of the operator's (kill it, block its port), and the drill measures:
 
+- whether the stop worked: the candidate's own URL refuses connections within 5 s;
 - fallback time: from the stop command until the start of the first request from which on every
   request was served, successfully, by the primary (`x-tandem-backend`);
 - requests lost (failed at the client) before and after the stop, and what became of the streams
@@ -177,6 +178,21 @@ async def _scrape_loop(scraper: Scraper, interval: float, stop: asyncio.Event) -
     await scraper.scrape()
 
 
+async def candidate_down_after(client: httpx.AsyncClient, url: str | None, limit_s: float = 5.0) -> float | None:
+    """Seconds until the candidate's own URL refuses connections (None: still answering after
+    `limit_s`, i.e. the stop command did not stop it, or no candidate URL)."""
+    if not url:
+        return None
+    start = time.perf_counter()
+    while time.perf_counter() - start < limit_s:
+        try:
+            await client.get(f"{url}/v1/models", timeout=1.0)
+        except httpx.TransportError:
+            return time.perf_counter() - start
+        await asyncio.sleep(0.1)
+    return None
+
+
 async def _run(c: DrillConfig) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=c.timeout_s, limits=limits) as client:
@@ -198,6 +214,7 @@ async def _run(c: DrillConfig) -> dict[str, Any]:
         proc = await asyncio.create_subprocess_shell(c.stop_command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         output, _ = await proc.communicate()
         stop_took = time.perf_counter() - t_stop
+        down = await candidate_down_after(client, (before["backends"].get("candidate") or {}).get("url"))
         until[0] = time.perf_counter() + c.observe_s
         await load_task
         stop_scraping.set()
@@ -210,6 +227,7 @@ async def _run(c: DrillConfig) -> dict[str, Any]:
     return {
         "gateway": c.url, "stop_command": c.stop_command, "stop_exit_code": proc.returncode,
         "stop_output": output.decode("utf-8", "replace")[-2000:], "stop_command_took_s": stop_took,
+        "candidate_down_after_s": down,
         "settings": {"rate": c.rate, "warmup_s": c.warmup_s, "observe_s": c.observe_s, "max_tokens": c.max_tokens},
         "recovered": fb is not None, "fallback_time_s": fb,
         "requests_total": len(results), "requests_lost": sum(not r.success for r in results),
@@ -242,7 +260,10 @@ def drill_markdown(r: dict[str, Any]) -> str:
     cont, flight = r["continuity"], r["in_flight_at_stop"]
     lines = [
         f"# tandem drill: {r['gateway']}", "",
-        f"Stop command `{r['stop_command']}` (exit {r['stop_exit_code']}, took {r['stop_command_took_s']:.3f} s).", "",
+        f"Stop command `{r['stop_command']}` (exit {r['stop_exit_code']}, took {r['stop_command_took_s']:.3f} s); "
+        + ("the candidate's URL refused connections "
+           f"{r['candidate_down_after_s']:.3f} s after it." if r["candidate_down_after_s"] is not None else
+           "WARNING: the candidate's URL still answered 5 s after it (the command did not stop it)."), "",
         f"Fallback time: {fb}. Requests lost: {r['requests_lost']} of {r['requests_total']}.", "",
         "| phase | requests | lost | served by | median TTFT ms | p99 E2EL ms |", "|---|---|---|---|---|---|",
     ]

@@ -320,16 +320,18 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     load_extension().fused_add_rms_norm(x, residual, weight, eps)
 
 
-def decoder_layer_bf16(
+# The formats a linear of ``decoder_layer`` may have, in the C++ kernel's numbering (csrc/decoder_layer.cpp).
+LINEAR_KINDS = ("bf16", "int8", "int4", "q8_0", "q4_1")
+LayerLinear = tuple[str, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
+
+
+def decoder_layer(
     x: torch.Tensor,
     residual: torch.Tensor | None,
     input_norm: torch.Tensor,
     post_norm: torch.Tensor,
     eps: float,
-    qkv: tuple[torch.Tensor, torch.Tensor | None],
-    o: tuple[torch.Tensor, torch.Tensor | None],
-    gate_up: tuple[torch.Tensor, torch.Tensor | None],
-    down: tuple[torch.Tensor, torch.Tensor | None],
+    linears: tuple[LayerLinear, LayerLinear, LayerLinear, LayerLinear],
     cos: torch.Tensor,
     sin: torch.Tensor,
     k_cache: torch.Tensor,
@@ -340,22 +342,25 @@ def decoder_layer_bf16(
     scale: float,
     max_query_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A whole bf16 pre-norm decoder layer (Llama / Mistral / Qwen2) in one call: ``(mlp_out, residual)``.
+    """A whole pre-norm decoder layer (Llama / Mistral / Qwen2) in one call: ``(mlp_out, residual)``.
 
     Runs the kernels of ``LlamaDecoderLayer.forward``'s kernel path in the same order, so the result
-    is bit-identical to it: ``x [T, hidden]`` and ``residual`` (None on the first layer: ``x`` is then
-    the embeddings) as there; norm weights ``[hidden]``; ``(weight [N, K], bias [N] or None)`` per
-    linear (``qkv`` rows ordered q, k, v); ``cos, sin [T, 1, head_dim]``; caches ``[N, B, KV, D]``;
-    ``meta`` an ``AttentionMetadata``. Requires ``T <= max_query_len`` and the registry's limits
-    (``registry.use("decoder_layer_bf16", tokens=T)``).
+    is bit-identical to it: ``x [T, hidden]`` bf16 and ``residual`` (None on the first layer: ``x`` is
+    then the embeddings) as there; norm weights ``[hidden]``; ``linears`` = qkv (rows ordered q, k, v),
+    o, gate_up, down, each ``(format, weight, scale, bias)``: ``"bf16"`` with the weight ``[N, K]`` and no
+    scale, or a ``QuantizedLinear`` format of ``LINEAR_KINDS`` with its ``qweight`` and ``scale``
+    (``Linear.kernel_linear`` / ``QuantizedLinear.kernel_linear``); ``cos, sin [T, 1, head_dim]``; caches
+    ``[N, B, KV, D]``; ``meta`` an ``AttentionMetadata``. Requires ``T <= max_query_len`` and the
+    registry's limits (``registry.use("decoder_layer", tokens=T)`` and each linear's own op).
 
     Changes: overwrites ``x`` and ``residual`` in place; writes this step's K/V into the caches.
 
     Raises:
-        RuntimeError: wrong dtypes, shapes or layouts (raised by the kernels).
+        ValueError: an unknown format. RuntimeError: wrong dtypes, shapes or layouts (raised by the kernels).
     """
-    return load_extension().decoder_layer_bf16(
-        x, residual, input_norm, post_norm, eps, qkv[0], qkv[1], o[0], o[1], gate_up[0], gate_up[1], down[0], down[1],
-        cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        num_heads, num_kv_heads, scale, max_query_len,
+    kinds = [LINEAR_KINDS.index(fmt) for fmt, _, _, _ in linears]
+    return load_extension().decoder_layer(
+        x, residual, input_norm, post_norm, eps, kinds, [w for _, w, _, _ in linears], [s for _, _, s, _ in linears],
+        [b for _, _, _, b in linears], cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+        meta.query_start_loc, num_heads, num_kv_heads, scale, max_query_len,
     )

@@ -10,7 +10,7 @@ token count per call (None = any):
 - linear layers: 16 tokens on ``avx512_bf16`` (a streaming GEMV/small-M GEMM; oneDNN's GEMM is faster
   above), any M on ``avx2`` (one batch-invariant kernel for all M).
 - ``paged_attention``: the longest row (query tokens) the kernel attends; longer rows go to SDPA.
-- ``decoder_layer_bf16``: tokens per step (the whole step must fit its linears and its attention).
+- ``decoder_layer``: tokens per step (the whole step must fit its linears and its attention).
 
 An operator a variant does not declare may name another variant in ``ROUTES``: the GGUF Q5_0 / Q4_K / Q6_K
 linears exist only as AVX2 kernels, and ``avx512_bf16`` routes them to the ``avx2`` build (every CPU with
@@ -62,7 +62,7 @@ LIMITS: dict[str, dict[str, int | None]] = {
     # dequantize for one oneDNN GEMM above the linear limit; avx2's linears take every M instead
     **{op: _limits(None, _NONE) for op in _DEQUANT_OPS},
     "paged_attention": _limits(16, None),
-    "decoder_layer_bf16": _limits(16, None),
+    "decoder_layer": _limits(16, None),
     **{op: _limits(_NONE, None) for op in _AVX2_ONLY_LINEAR_OPS},
     # avx2 only for now; on avx512_bf16 models.moe.moe_grouped runs one linear_bf16 pair per expert
     "moe_bf16": _limits(_NONE, None),

@@ -257,6 +257,15 @@ class QuantizedLinear(nn.Module):
         bias = None if self.bias is None else self.bias.to(compute)
         return F.linear(x.to(compute), self.dense_weight(compute), bias).to(x.dtype)
 
+    def kernel_linear(self, tokens: int) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """``(format, qweight, scale, bias)`` for ``kernels.decoder_layer`` when ``forward`` over ``tokens``
+        tokens of bf16 activations would call this format's linear kernel, else None (also for the formats
+        the fused layer does not take: the GGUF K-quants, whose kernels exist in the avx2 build only)."""
+        if (self.method in kernels.LINEAR_KINDS and (self.bias is None or self.bias.dtype == torch.bfloat16)
+                and registry.use(self._LINEAR_OPS[self.method], tokens=tokens)):
+            return self.method, self.qweight, self.scale, self.bias
+        return None
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.qweight.shape[0]}, method={self.method}"
 

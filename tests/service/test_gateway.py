@@ -16,6 +16,7 @@ from faulty_backend import FaultyBackend, ThreadServer
 from live_server import Server, metric_samples
 
 from tandem.gateway.app import build_gateway_app
+from tandem.gateway.canary import sticky_point
 from tandem.gateway.config import BackendConfig, CanaryConfig, FallbackConfig, GateConfig, GatewayConfig, ShadowConfig
 from tandem.gateway.proxy import Gateway
 
@@ -201,18 +202,21 @@ def test_no_first_byte_in_time_falls_back_within_the_retry_budget(servers, fault
 
 @pytest.mark.parametrize("fault", ["error", "slow"])
 def test_planted_regression_rolls_back(servers, faulty, fault):
-    faulty.mode, faulty.delay_s = ("error", 0.0) if fault == "error" else ("ok", 0.15)
+    faulty.mode, faulty.delay_s = ("error", 0.0) if fault == "error" else ("ok", 0.25)
     gates = GateConfig(min_requests=4, max_error_rate=0.2, max_latency_ratio=2.0)
     config = _config(servers[0].url, _faulty_candidate(faulty), canary=CanaryConfig(weight=0.5), gates=gates,
                      fallback=FallbackConfig(breaker_failures=100))
     with Running(config) as gw:
-        for _ in range(4):  # primary latency samples first
-            gw.client.completions.create(model="stories", prompt="x", max_tokens=4, stream=True,
-                                         extra_headers={"x-session-id": "p"}).close()
-        for i in range(40):
+        # sticky keys that the split sends to each side (sticky_point < weight: the candidate)
+        keys = [f"u{i}" for i in range(200)]
+        to_primary = [k for k in keys if sticky_point(k) >= 0.5][:4]
+        to_candidate = [k for k in keys if sticky_point(k) < 0.5]
+        for key in to_primary:  # the primary's latency samples first
+            list(gw.client.completions.create(model="stories", prompt="x", max_tokens=4, stream=True, user=key))
+        for key in to_candidate[:8]:
             if gw.status()["canary"]["rolled_back"]:
                 break
-            list(gw.client.completions.create(model="stories", prompt="x", max_tokens=4, stream=True, user=f"u{i}"))
+            list(gw.client.completions.create(model="stories", prompt="x", max_tokens=4, stream=True, user=key))
         status = gw.status()
         assert status["canary"]["rolled_back"] and status["canary"]["weights"]["candidate"] == 0
         reason = status["canary"]["rollback_reason"]
@@ -299,7 +303,7 @@ def test_drill_measures_fallback_when_the_candidate_is_killed(servers, tmp_path)
     finally:
         candidate.kill()
         candidate.wait()
-    assert report["stop_exit_code"] == 0
+    assert report["stop_exit_code"] == 0 and report["candidate_down_after_s"] is not None
     # NOTE: requests still waiting for their first byte at the kill fell back to the primary
     assert report["before_stop"]["served_by"]["candidate"] >= 1
     assert report["recovered"] and 0 <= report["fallback_time_s"] < 1.5

@@ -66,7 +66,7 @@ def test_variant_unsupported_reason_uses_cpu_flags(monkeypatch) -> None:
 
 def test_avx512_limits_are_kept(fake_variant) -> None:
     fake_variant("avx512_bf16")
-    for op in ("linear_bf16", "linear_int8", "linear_int4", "linear_q8_0", "linear_q4_1", "decoder_layer_bf16"):
+    for op in ("linear_bf16", "linear_int8", "linear_int4", "linear_q8_0", "linear_q4_1", "decoder_layer"):
         assert registry.use(op, tokens=16) and not registry.use(op, tokens=17), op
     assert registry.max_tokens("paged_attention") == 16
     assert registry.use("dequantize_q4_1", tokens=4096) and registry.use("rms_norm")

@@ -17,7 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]");
   m.def("moe_bf16", &moe_bf16, "fused mixture-of-experts SwiGLU feed-forward, bf16 experts [E, 2I, H] / [E, H, I]",
         py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("weights"), py::arg("ids"));
-  m.def("decoder_layer_bf16", &decoder_layer_bf16, "a whole bf16 pre-norm decoder layer at decode sizes");
+  m.def("decoder_layer", &decoder_layer, "a whole pre-norm decoder layer (bf16 or quantized linears) at decode sizes");
   // Linear kernels (linear_bf16.cpp, linear_quant.cpp): any M, batch invariant; quantized formats
   // quantize the activations to int8 per block of 32 (llama.cpp's AVX2 path).
   m.def("linear_bf16", &linear_bf16, "y = x @ w.T (+ bias), bf16, fp32 FMA", py::arg("x"), py::arg("w"),
