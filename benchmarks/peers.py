@@ -262,6 +262,37 @@ def llama_cpp_backend(name: str, gguf_path: Path, threads: int, clock: str, venv
                          log=BENCH_CACHE / "llama_cpp_worker.log")
 
 
+_QUANTIZE = """
+import ctypes, sys
+import llama_cpp
+src, dst, ftype = sys.argv[1:4]
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + ftype)
+params.allow_requantize = True
+sys.exit(llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params)))
+"""
+
+
+def llama_cpp_quantize(src: Path, dst: Path, ftype: str, venv: Path | None = None) -> Path:
+    """``dst``: GGUF ``src`` quantized by llama.cpp's own quantizer (``llama_model_quantize`` in the llama.cpp
+    venv) to ``LLAMA_FTYPE_MOSTLY_<ftype>`` (e.g. ``Q4_K_M``: Q4_K / Q6_K, with Q5_0 / Q8_0 where a row length is
+    not a multiple of 256); block-quantized sources are requantized. Kept if it exists.
+
+    Raises:
+        PeerUnavailable: the venv cannot be made, or the quantizer failed (its output in the reason).
+    """
+    if dst.is_file():
+        return dst
+    python = ensure_venv("llama.cpp", venv)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + ".part")
+    done = subprocess.run([str(python), "-c", _QUANTIZE, str(src), str(tmp), ftype], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise PeerUnavailable(f"llama.cpp quantizer failed ({done.returncode}): {_tail(done.stderr, 5)}")
+    tmp.rename(dst)
+    return dst
+
+
 def vllm_backend(hf_dir: Path, threads: int, clock: str, max_seqs: int, venv: Path | None = None,
                  n_ctx: int = 1024, kv_cache_gib: int = 1) -> WorkerBackend:
     python = ensure_venv("vllm", venv)

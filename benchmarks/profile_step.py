@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checkpoints import SHAPES, make_checkpoint  # noqa: E402
 
 KERNELS = ("linear_bf16", "linear_int8", "linear_int4", "paged_attention", "rms_norm", "rotary", "silu_and_mul",
-           "fused_add_rms_norm", "rotary_", "decoder_layer_bf16")
+           "fused_add_rms_norm", "rotary_", "decoder_layer")
 CATEGORIES = {
     "linear": ("tandem::linear", "aten::linear", "aten::addmm", "aten::mm", "aten::matmul"),
     "attention": ("tandem::paged_attention", "aten::_scaled_dot_product", "aten::index_copy"),
@@ -33,7 +33,7 @@ CATEGORIES = {
     "norm/rope/act": ("tandem::rms_norm", "tandem::rotary", "tandem::silu_and_mul", "aten::silu", "aten::rsqrt",
                       "tandem::fused_add_rms_norm"),
     # one C++ call per decoder layer (its linears, attention, norms, rope, activation inside)
-    "decoder layers (one call each)": ("tandem::decoder_layer_bf16",),
+    "decoder layers (one call each)": ("tandem::decoder_layer",),
 }
 
 

@@ -3,7 +3,8 @@
 Usage:
     PYTHONPATH=$PWD python benchmarks/router_bench.py [--model PATH] [--system-tokens 1000]
         [--num-system-prompts 8] [--questions 4] [--question-tokens 16] [--output-len 16]
-        [--concurrency 4,8,16] [--policies round-robin,least-load,kv-aware] [--work-dir DIR] [--json FILE]
+        [--concurrency 4,8,16] [--policies round-robin,least-load,kv-aware] [--kv-events]
+        [--work-dir DIR] [--json FILE]
 
 Starts three ``tandem serve`` processes of ``--model`` (default: the default model): engines A and B
 with one thread each, pinned to cores 0 and 1, and engine S with two threads on cores 0-1; and one
@@ -96,6 +97,9 @@ def serve(name: str, args: argparse.Namespace, work: Path, threads: int, cores: 
            "--kv-cache-gib", str(args.kv_cache_gib), "--max-queue-len", "4096"]
     if args.model:
         cmd += ["--model", args.model]
+    if args.kv_events and threads == 1:
+        cmd += ["--kv-events-config", '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:*", '
+                '"replay_endpoint": "tcp://127.0.0.1:*"}']
     return Proc(name, cmd, port, work)
 
 
@@ -183,6 +187,9 @@ def main() -> int:
     p.add_argument("--policies", default="round-robin,least-load,kv-aware")
     p.add_argument("--workloads", default="shared,random")
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--kv-events", action="store_true",
+                   help="engines A and B publish KV events (kv-aware then routes on them; default: the "
+                        "router's approximate prefix index)")
     p.add_argument("--work-dir", default=None)
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args()

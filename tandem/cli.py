@@ -62,7 +62,8 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_bind_default: str = "none", 
                    help="torch threads (default: the allowed cores, capped by the cgroup CPU quota)")
     p.add_argument("--cpu-bind", default=cpu_bind_default, metavar="auto|none|LIST",
                    help="pin OpenMP thread i of the engine to core i: 'auto' (all allowed cores, one left to the "
-                        "server front end from 4 cores on), 'none', or a core list like '0-3,6' "
+                        "server front end from 4 cores on), 'none', or a core list like '0-3,6'; with serve -dp N, "
+                        "one list per engine joined by '/' like '0-3/4-7' "
                         f"(default: {cpu_bind_default})")
     p.add_argument("--kv-transfer-config", default=None, metavar="JSON",
                    help='disaggregated prefill/decode, as vLLM spells it: \'{"kv_connector":"TandemConnector",'
@@ -305,11 +306,14 @@ def _add_optional_commands(sub) -> None:
     else:
         add_serve_parser(sub, add_engine_args)
     try:
-        from tandem.router.cli import add_router_parser
+        from tandem.router.cli import add_router_parser, cmd_router
+        from tandem.router.pd import add_pd_args, cmd_pd_router
     except ImportError:
         pass
     else:
-        add_router_parser(sub)
+        router = add_router_parser(sub)
+        add_pd_args(router)
+        router.set_defaults(func=lambda args: (cmd_pd_router if args.prefill or args.decode else cmd_router)(args))
     try:
         from tandem.bench.cli import add_bench_parser
     except ImportError:

@@ -115,7 +115,8 @@ class ServerConfig:
     ``core_restart_limit`` / ``core_restart_window``: the engine core is restarted after it dies,
     unless this is its ``core_restart_limit``-th death within ``core_restart_window`` seconds (a crash
     loop); 1 never restarts. ``instance_id``: this server's id in ``/load`` and the metrics labels
-    (None: a random uuid at start-up).
+    (None: a random uuid at start-up). ``enable_auto_tool_choice`` / ``tool_call_parser`` (vLLM's
+    flags): ``tool_choice: "auto"`` is served only with both; the parser reads calls from the text.
     """
 
     host: str = "127.0.0.1"
@@ -127,8 +128,15 @@ class ServerConfig:
     core_restart_limit: int = 3
     core_restart_window: float = 60.0
     instance_id: str | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+                              f"{self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser)")
         if not _is_int(self.port) or not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be 0-65535, got {self.port!r}")
         if not self.host:
@@ -147,6 +155,7 @@ class ServerConfig:
             raise ConfigError("instance_id must not be blank")
 
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "pythonic")  # tandem/server/tool_parsers.py
 SPECULATIVE_METHODS = ("ngram", "draft", "pard", "self-quant")
 SELF_QUANT_TYPES = ("int8", "int4")
 MAX_SPECULATIVE_TOKENS = 16

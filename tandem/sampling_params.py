@@ -22,6 +22,55 @@ def child_seed(seed: int, index: int) -> int:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the completion's text (vLLM's ``StructuredOutputsParams``, same field names).
+
+    Exactly one of ``json`` (a JSON schema, as a dict or its JSON text), ``regex``, ``choice`` (the
+    completion is one of these strings), ``grammar`` (Lark or GBNF) or ``json_object`` (any JSON
+    object) is set. ``disable_any_whitespace`` (vLLM) forbids whitespace between JSON tokens; by
+    default one space, or a newline and up to 16 spaces or tabs, may separate them (pretty-printed
+    JSON fits, and a weak model cannot pad with whitespace until ``max_tokens``). The grammar engine
+    (llguidance) masks the logits so that only tokens keeping the text a prefix of the language can
+    be sampled; generation stops when the text is complete. A schema keyword it cannot honour is
+    refused at the edge (never relaxed).
+
+    Raises:
+        SamplingParamsError: none or several constraints, or a value of the wrong type.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise SamplingParamsError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, json_object; got "
+                f"{', '.join(kinds) or 'none'}", "structured_outputs")
+        checks = {"json": (str, dict), "regex": str, "grammar": str, "choice": list}
+        for name, types in checks.items():
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, types):
+                raise SamplingParamsError(f"structured_outputs.{name} has the wrong type", f"structured_outputs.{name}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise SamplingParamsError("structured_outputs.choice must be a non-empty list of non-empty strings",
+                                      "structured_outputs.choice")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
+
+
+@dataclass
 class SamplingParams:
     """How to sample the completion of one prompt.
 
@@ -42,6 +91,8 @@ class SamplingParams:
     - ``stop`` strings are cut from the text (unless ``include_stop_str_in_output``).
     - ``priority`` orders admission when the scheduler's policy is "priority": lower values first,
       ties by arrival time (vLLM semantics); ignored under "fcfs".
+    - ``structured_outputs`` constrains the text to a JSON schema, regex, choice or grammar
+      (``StructuredOutputsParams``); a request waits for its grammar to compile before it runs.
     - ``speculative`` (Tandem only) False runs this request without drafts when the engine speculates;
       the output distribution is the same either way, only the speed differs.
     - ``kv_transfer_params`` (vLLM's disaggregated prefill protocol, ``tandem/disagg``): a JSON object
@@ -74,12 +125,18 @@ class SamplingParams:
     priority: int = 0
     speculative: bool = True  # Tandem: False opts this request out of the engine's speculative decoding
     kv_transfer_params: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise SamplingParamsError(f"structured_outputs: {e}", "structured_outputs") from None
         self._check_types()
         if self.top_k == -1:
             self.top_k = 0

@@ -86,7 +86,7 @@ class AttentionBackend(Protocol):
     """Paged attention for one layer: store this step's K/V, attend over each row's context.
 
     ``kernel_max_query_len``: rows with at most this many query tokens are attended by
-    ``tandem.kernels.paged_attention`` (0: none are); the fused decoder layer (``decoder_layer_bf16``)
+    ``tandem.kernels.paged_attention`` (0: none are); the fused decoder layer (``decoder_layer``)
     runs only on steps whose rows all are.
     """
 

@@ -14,6 +14,7 @@ import httpx
 from tandem.bench.client import BenchConfig, fetch_models, run_benchmark
 from tandem.bench.compare import DEFAULT_METRICS, parse_threshold, run_compare
 from tandem.bench.datasets import default_tokenizer_path, get_requests, load_tokenizer, workload_settings
+from tandem.bench.environment import collect_environment
 from tandem.bench.memory import server_process
 from tandem.bench.metrics import calculate_metrics, parse_goodput, parse_percentiles
 from tandem.bench.report import build_result, format_summary, save_json
@@ -159,6 +160,13 @@ def _prepare(args: argparse.Namespace, num_prompts: int) -> tuple[BenchConfig, l
     return config, requests, tokenizer
 
 
+def _environment(args: argparse.Namespace, config: BenchConfig, tokenizer: Any) -> dict[str, Any]:
+    """The run's recorded environment: the model/tokenizer files that are local paths, the server's
+    kernel path (`environment.collect_environment`)."""
+    paths = [args.model, args.tokenizer, getattr(tokenizer, "name_or_path", None)]
+    return collect_environment(sys.argv, paths, config.base_url, config.headers)
+
+
 def _fail(message: str) -> int:
     print(f"tandem bench: error: {message}", file=sys.stderr)
     return 2
@@ -175,6 +183,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     run = run_benchmark(config, requests)
     metrics = calculate_metrics(run.results, run.duration_s, percentiles, goodput, tokenizer)
     result = build_result(config, run, metrics, _workload(args))
+    result["environment"] = _environment(args, config, tokenizer)
     print(format_summary(result, percentiles))
     if args.save_result:
         save_json(result, args.save_result)
@@ -199,6 +208,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     report = run_sweep(
         config, requests, mode=mode, levels=levels, output_dir=args.output_dir, percentiles=percentiles,
         goodput_ms=goodput, tokenizer=tokenizer, num_prompts=args.num_prompts, workload=_workload(args),
+        environment=_environment(args, config, tokenizer),
     )
     print(f"\nwrote {args.output_dir}/results.json, results.md and PNG plots")
     return 0 if all(run["completed"] for run in report["runs"]) else 1

@@ -85,6 +85,8 @@ class RequestResult:
     error_kind: None on success, else `timeout`, `http_<status>`, `connection_error` (no response
     received) or `malformed_stream` (bad JSON, a stream cut before `[DONE]`, or no token chunk).
     output_tokens: `usage.completion_tokens` from the server, None if it sent no usage.
+    response_headers: the answer's HTTP headers (lower-case names; empty without an answer), e.g.
+    the `x-tandem-backend` a `tandem gateway` sets.
     """
 
     success: bool = False
@@ -97,6 +99,7 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     start_time: float = 0.0
+    response_headers: dict[str, str] = field(default_factory=dict)
 
     def fail(self, kind: str, message: str) -> RequestResult:
         """Mark this result failed (mutates and returns self)."""
@@ -210,6 +213,7 @@ async def send_request(
                 "POST", config.api_url, json=payload, headers=config.headers
             ) as response:
                 answered = True
+                result.response_headers = dict(response.headers)
                 if response.status_code != 200:
                     body = (await response.aread()).decode("utf-8", "replace")
                     return result.fail(f"http_{response.status_code}", body)

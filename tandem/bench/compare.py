@@ -14,6 +14,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.bench.environment import environment_differences
+
 DEFAULT_METRICS = (
     "request_throughput",
     "output_throughput",
@@ -91,6 +93,13 @@ def load_runs(path: str) -> dict[str, dict[str, Any]]:
     if isinstance(data, dict) and "completed" in data:
         return {"run": data}
     raise ValueError(f"{path}: not a benchmark result or sweep results.json")
+
+
+def load_environment(path: str) -> dict[str, Any] | None:
+    """The `environment` recorded in a result or sweep file (None for results without one)."""
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return data.get("environment") if isinstance(data, dict) else None
 
 
 def metric_value(run: dict[str, Any], metric: str, label: str) -> float | None:
@@ -180,6 +189,7 @@ def run_compare(base_path: str, new_path: str, metrics: list[str], threshold: fl
     """Print the table and return the exit code: 1 if any metric regressed, else 0. Warns on
     stderr when the two runs' workloads differ (the comparison still runs).
 
+    Also warns when their recorded environments differ (`environment.environment_differences`).
     Raises ValueError/OSError for unreadable or mismatched inputs (the CLI turns them into 2).
     """
     base, new = load_runs(base_path), load_runs(new_path)
@@ -188,6 +198,10 @@ def run_compare(base_path: str, new_path: str, metrics: list[str], threshold: fl
     if differences:
         print("tandem bench compare: warning: the runs used different workloads, so their numbers are not "
               "comparable: " + "; ".join(differences), file=sys.stderr)
+    env_differences = environment_differences(load_environment(base_path), load_environment(new_path))
+    if env_differences:
+        print("tandem bench compare: warning: the runs were measured in different environments:\n  "
+              + "\n  ".join(env_differences), file=sys.stderr)
     print(format_table(rows, threshold))
     bad = [r for r in rows if r.regressed]
     if bad:

@@ -77,6 +77,14 @@ def summarize(values_s: list[float], name: str, percentiles: list[float]) -> dic
     return out
 
 
+_OOM_MARKERS = ("out of memory", "outofmemory", "memoryerror", "cannot allocate memory", "oom-kill")
+
+
+def is_oom(result: RequestResult) -> bool:
+    """A failure whose error text says memory ran out (a server's 5xx body or a killed stream)."""
+    return not result.success and any(m in result.error.lower() for m in _OOM_MARKERS)
+
+
 def output_token_count(result: RequestResult, tokenizer: Any | None) -> int:
     """Tokens a successful request produced: the server's `usage.completion_tokens`; else the
     generated text re-tokenized without special tokens; else (no tokenizer) the number of
@@ -145,8 +153,9 @@ def calculate_metrics(
 
     Counts and token totals are integers; throughputs are per second of `duration_s`; latencies
     in ms (None without samples, see the module docstring); `success_rate` is completed / sent
-    (None for no request). Per-request lists (seconds, input order, None for failures) are kept for
-    CDF plots. `failures` maps each error kind to its count. Raises ValueError if duration_s <= 0.
+    (None for no request); `timeouts` and `ooms` count those failures (`is_oom`). Per-request
+    lists (seconds, input order, None for failures) are kept for CDF plots. `failures` maps each
+    error kind to its count. Raises ValueError if duration_s <= 0.
     """
     if duration_s <= 0:
         raise ValueError(f"duration must be > 0 s, got {duration_s}")
@@ -160,6 +169,8 @@ def calculate_metrics(
         "failed": len(results) - completed,
         "success_rate": completed / len(results) if results else None,
         "failures": dict(Counter(r.error_kind for r in results if not r.success)),
+        "timeouts": sum(r.error_kind == "timeout" for r in results),
+        "ooms": sum(is_oom(r) for r in results),
         "total_input_tokens": total_input,
         "total_output_tokens": total_output,
         "request_throughput": completed / duration_s,

@@ -140,11 +140,11 @@ def _spec_cells(run: dict[str, Any]) -> list[str]:
 
 
 def markdown_table(runs: list[dict[str, Any]], x_key: str) -> str:
-    """One row per run: load level, successes, failures, throughputs, p50/p99 latencies (ms),
-    and, when any run has speculative-decoding figures, acceptance rate, mean acceptance length
+    """One row per run: load level, successes, failures, success rate, timeouts, OOMs, throughputs,
+    p50/p99 latencies (ms), and, when any run has speculative-decoding figures, acceptance rate, mean acceptance length
     and per-position acceptance rates."""
     header = [
-        x_key, "ok", "failed", "req/s", "goodput req/s", "out tok/s", "total tok/s",
+        x_key, "ok", "failed", "success %", "timeouts", "OOMs", "req/s", "goodput req/s", "out tok/s", "total tok/s",
         "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p50", "ITL p99",
         "E2EL p50", "E2EL p99", "peak RSS MiB",
     ]
@@ -159,6 +159,9 @@ def markdown_table(runs: list[dict[str, Any]], x_key: str) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for run in runs:
         cells = [str(run.get(x_key)), str(run["completed"]), str(run["failed"])]
+        rate = run.get("success_rate")
+        cells += ["n/a" if rate is None else f"{rate * 100:.1f}", str(run.get("timeouts", "n/a")),
+                  str(run.get("ooms", "n/a"))]
         cells += [_cell(run, k) for k in keys]
         cells.append(_cell(run, "peak_server_rss_bytes", 1 / 2**20))
         if with_spec:

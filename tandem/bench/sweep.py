@@ -53,12 +53,14 @@ def run_sweep(
     num_prompts: int | None = None,
     verbose: bool = True,
     workload: dict[str, Any] | None = None,
+    environment: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run every level in order and write the report folder.
 
     `requests` is the pool each level takes its next N requests from (cycled if shorter), so levels
     do not resend each other's prompts when the pool is large enough;
-    `workload` (prompt settings) is saved with each level's result.
+    `workload` (prompt settings) is saved with each level's result, `environment`
+    (`environment.collect_environment`) once at the top.
     Percentile 99 is always computed (the plots and table need it). Returns the results.json
     content: {"mode", "x_key", "levels", "runs": [saved result per level]}.
     Raises ValueError for an unknown mode or an empty ladder.
@@ -83,7 +85,7 @@ def run_sweep(
         if verbose:
             print(f"\n{x_key} = {level}")
             print(format_summary(result, [p for p in pcts if p != 50.0]))
-    report = {"mode": mode, "x_key": x_key, "levels": list(levels), "runs": runs}
+    report = {"mode": mode, "x_key": x_key, "levels": list(levels), "runs": runs, "environment": environment}
     write_report(report, output_dir)
     return report
 

@@ -178,6 +178,8 @@ class KVTransferServer:
 
     def _check_pull(self, pull: PullKV) -> str | None:
         """Why ``pull`` cannot be served, or None. Renews its lease when it can."""
+        if not pull.block_ids:
+            return "a pull must name at least one block"
         try:
             held = set(self.kv.held_block_ids(pull.lease_id))
         except UnknownLeaseError:
@@ -199,10 +201,15 @@ class KVTransferServer:
             self._send(peer, PullError(pull.xfer_id, reason))
             return
         index = torch.tensor(pull.block_ids, dtype=torch.int64)
+        first, n = pull.block_ids[0], len(pull.block_ids)
+        # NOTE: consecutive ids (a fresh request's blocks usually are) are sent straight from the cache, no
+        # copy: held blocks are never written, and the pull renewed their lease for longer than a send takes.
+        run = pull.block_ids == list(range(first, first + n))
         num_bytes = 0
         for cache_index, layers in enumerate(self.kv_cache_groups()):
             for layer, (k, v) in enumerate(layers):
-                kb, vb = k.index_select(0, index), v.index_select(0, index)
+                kb, vb = (k[first:first + n], v[first:first + n]) if run else (k.index_select(0, index),
+                                                                              v.index_select(0, index))
                 header = LayerHeader(pull.xfer_id, cache_index, layer, list(kb.shape))
                 self._send(peer, header, tensor_frame(kb), tensor_frame(vb))
                 num_bytes += kb.nbytes + vb.nbytes

@@ -220,9 +220,11 @@ class AsyncLLM:
         """(text or None, token ids) of a completions prompt. Raises: PromptError."""
         return self.processor.tokenize(prompt)
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> tuple[str, list[int]]:
-        """The templated chat prompt and its token ids. Raises: PromptError (template, empty, too long)."""
-        text = self.processor.apply_chat_template(messages, add_generation_prompt)
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+        """The templated chat prompt (``tools`` rendered by the template) and its token ids.
+        Raises: PromptError (template, empty, too long)."""
+        text = self.processor.apply_chat_template(messages, add_generation_prompt, tools=tools)
         return text, self.processor.chat_prompt_ids(text)
 
     def count_tokens(self, text_or_messages: str | list[dict[str, str]], add_special_tokens: bool = True,

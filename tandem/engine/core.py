@@ -148,7 +148,9 @@ class EngineCore:
         return self.scheduler.num_steps
 
     def add_request(self, request: Request) -> None:
-        """Queues ``request`` for scheduling (changes the scheduler's waiting queue).
+        """Queues ``request`` for scheduling (changes the scheduler's waiting queue). A request with
+        structured output starts compiling its grammar in the runner's compile thread and waits
+        (``Request.ready_check``) until it is built; the scheduler skips it meanwhile.
 
         Raises:
             DuplicateRequestError: the id is already queued or running (``tandem.errors``).
@@ -157,6 +159,9 @@ class EngineCore:
         """
         if self._request_connector is None or not self._request_connector.add_request(request):
             self.scheduler.add_request(request)
+        if request.sampling_params.structured_outputs is not None:
+            request.ready_check = self.runner.prepare_grammar(
+                request.request_id, request.sampling_params, request.eos_token_ids)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Stops these requests and frees their KV blocks at once; unknown ids are ignored."""

@@ -181,6 +181,7 @@ class EngineCoreProc:
         for sock in getattr(getattr(core, "kv_connector", None), "sockets", ()):  # NOTE: KV transfers wake it too
             self.poller.register(sock, zmq.POLLIN)
         self.stalled = False  # the last step scheduled nothing (requests wait for remote KV or blocks)
+        self.last_idle_stats: CoreStats | None = None
         self.kv_publisher = kv_publisher
         self.engine_id = engine_id
         if kv_publisher is not None and kv_publisher.poll_socket is not None:
@@ -203,8 +204,11 @@ class EngineCoreProc:
                 self.stalled = False
                 self.core.on_idle()  # KV transfers, lease expiry and a rate-limited integrity check
                 self.send_failed()
-                if handled:
-                    self.send(StepOutputs([], self.stats()))
+                stats, kv_events = self.stats(), self.take_kv_events()
+                # NOTE: an expired lease or a served KV pull changes the stats with no input: send them too.
+                if handled or stats != self.last_idle_stats or kv_events is not None:
+                    self.send(StepOutputs([], stats, kv_events=kv_events))
+                self.last_idle_stats = stats
             self.serve_kv_requests()
 
     def drain_inputs(self, timeout_ms: int) -> tuple[bool, bool]:

@@ -113,8 +113,9 @@ class EngineCoreService(EngineCoreProc):
                 self.step()
             else:
                 self.core.on_idle()
-                if handled:
-                    self.send(StepOutputs([], self.stats()))
+                kv_events = self.take_kv_events()  # NOTE: idle work (KV arriving) may cache blocks
+                if handled or kv_events is not None:
+                    self.send(StepOutputs([], self.stats(), kv_events=kv_events))
             self.serve_kv_requests()
 
     def tend_peer(self) -> None:

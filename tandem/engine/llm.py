@@ -196,6 +196,7 @@ class LLM:
         batches = []
         for (text, ids), params in zip(inputs, params_list, strict=True):
             parent_id = str(next(self._ids))
+            self.processor.check_structured_outputs(params)
             batches.append((parent_id, text, ids, params, self.processor.make_requests(parent_id, ids, params)))
         output_processor = OutputProcessor(self.tokenizer)
         try:

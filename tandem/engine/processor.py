@@ -148,6 +148,19 @@ class InputProcessor:
         self.chat_template = chat_template
         self.max_prompt_chars = max_prompt_chars(tokenizer, max_model_len)
 
+    def check_structured_outputs(self, params: SamplingParams, param: str = "structured_outputs") -> None:
+        """Refuses a constraint the grammar engine cannot enforce (about a millisecond for a schema).
+
+        Raises:
+            SamplingParamsError: an unimplemented JSON-schema keyword (named in the message), an invalid
+                schema, regex or grammar; ``param`` is the request field to name.
+        """
+        if params.structured_outputs is None:
+            return
+        from tandem.structured_outputs import check_grammar
+
+        check_grammar(params.structured_outputs, None, param)
+
     def check_prompt_chars(self, text: str, param: str = "prompt") -> None:
         """Refuses, before tokenizing, a text too long to fit the context whatever its tokens.
 
@@ -196,9 +209,10 @@ class InputProcessor:
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-        chat_template: str | None = None,
+        chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Renders chat ``messages`` with the model's chat template (or ``chat_template``) into text.
+        """Renders chat ``messages`` with the model's chat template (or ``chat_template``) into text;
+        ``tools`` (OpenAI function specs) are handed to the template as transformers does.
 
         Raises:
             PromptError: no template, or the template fails on these messages.
@@ -211,7 +225,7 @@ class InputProcessor:
         try:
             return self.tokenizer.apply_chat_template(
                 messages, chat_template=template, tokenize=False,
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt=add_generation_prompt, tools=tools,
             )
         except Exception as e:  # NOTE: Jinja raises many types; all are the user's template/message problem.
             raise PromptError(f"the chat template failed on these messages: {e}", "messages") from e

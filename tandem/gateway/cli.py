@@ -114,6 +114,83 @@ def _add_gateway(sub: Any) -> None:
     g.set_defaults(func=cmd_gateway)
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    """Exit 0 when nothing differs beyond noise and every check passed, 1 otherwise."""
+    import httpx
+
+    from tandem.gateway.compare_run import Side, run_compare
+    from tandem.gateway.regression import builtin_cases, load_cases
+    from tandem.gateway.reports import compare_markdown, write_reports
+
+    user_cases = load_cases(args.prompts) if args.prompts else None
+    a = Side("a", args.a, args.api_key_a, args.model_a)
+    b = Side("b", args.b, args.api_key_b, args.model_b)
+    try:
+        report = run_compare(a, b, lambda n, per, top: user_cases or builtin_cases(n or args.max_model_len, per, top),
+                             args.timeout)
+    except httpx.HTTPError as e:
+        raise ValueError(f"a server did not answer: {e}") from e
+    markdown = compare_markdown(report)
+    paths = write_reports(report, markdown, args.output_dir, "compare")
+    print(markdown)
+    print("wrote " + ", ".join(paths))
+    s = report["summary"]
+    return 1 if s["cases_with_differences_beyond_noise"] or s["failed_checks"] else 0
+
+
+def _add_compare(sub: Any) -> None:
+    c = sub.add_parser("compare", help="run a regression set against two OpenAI-compatible servers, with noise")
+    c.add_argument("--a", required=True, help="URL of server A (the reference; also measured against itself)")
+    c.add_argument("--b", required=True, help="URL of server B")
+    c.add_argument("--model-a", default=None, help="model name at A (default: first of its /v1/models)")
+    c.add_argument("--model-b", default=None, help="model name at B (default: first of its /v1/models)")
+    c.add_argument("--api-key-a", default=None)
+    c.add_argument("--api-key-b", default=None)
+    c.add_argument("--prompts", default=None, metavar="FILE.jsonl", help="cases instead of the built-in set")
+    c.add_argument("--max-model-len", type=int, default=None,
+                   help="context limit for the long-input cases when /v1/models does not tell")
+    c.add_argument("--timeout", type=float, default=120.0, help="per-request limit in seconds")
+    c.add_argument("--output-dir", default="compare-report", help="folder for compare.json/.md/.html")
+    c.set_defaults(func=cmd_compare)
+
+
+def cmd_drill(args: argparse.Namespace) -> int:
+    """Exit 0 when the gateway recovered (every request served by the primary) and lost none after
+    the stop, 1 otherwise; --dry-run prints the steps."""
+    from tandem.gateway.drill import DrillConfig, drill_markdown, dry_run_steps, run_drill
+    from tandem.gateway.reports import write_reports
+
+    config = DrillConfig(gateway=args.gateway, stop_command=args.candidate_stop, model=args.model,
+                         api_key=args.api_key, rate=args.rate, warmup_s=args.warmup, observe_s=args.observe,
+                         max_tokens=args.max_tokens)
+    if args.dry_run:
+        print("\n".join(dry_run_steps(config)))
+        return 0
+    report = run_drill(config)
+    markdown = drill_markdown(report)
+    paths = write_reports(report, markdown, args.output_dir, "drill")
+    print(markdown)
+    print("wrote " + ", ".join(paths))
+    return 0 if report["recovered"] and not report["after_stop"]["lost"] else 1
+
+
+def _add_drill(sub: Any) -> None:
+    d = sub.add_parser("drill", help="rehearse the fallback: load through a gateway while the candidate is stopped")
+    d.add_argument("--gateway", required=True, help="URL of a running tandem gateway")
+    d.add_argument("--candidate-stop", required=True, metavar="CMD", help="shell command that stops the candidate")
+    d.add_argument("--output-dir", default="drill-report", help="folder for drill.json/.md/.html")
+    d.add_argument("--dry-run", action="store_true", help="print the steps and exit")
+    d.add_argument("--model", default=None, help="model name (default: first of the gateway's /v1/models)")
+    d.add_argument("--api-key", default=os.environ.get("TANDEM_GATEWAY_API_KEY"), help="the gateway's client key")
+    d.add_argument("--rate", type=float, default=10.0, help="requests per second (default 10)")
+    d.add_argument("--warmup", type=float, default=5.0, help="seconds of load before the stop (default 5)")
+    d.add_argument("--observe", type=float, default=10.0, help="seconds of load after the stop (default 10)")
+    d.add_argument("--max-tokens", type=int, default=16, help="tokens per streamed request (default 16)")
+    d.set_defaults(func=cmd_drill)
+
+
 def add_gateway_parsers(sub: Any) -> None:
     """Registers `gateway`, `compare` and `drill` on an argparse sub-parsers object."""
     _add_gateway(sub)
+    _add_compare(sub)
+    _add_drill(sub)

@@ -33,6 +33,7 @@ from tandem.gateway.upstream import (
     backend_body,
     backend_headers,
     error_json,
+    fetch_capture,
     open_attempt,
     sse_error_event,
 )
@@ -275,24 +276,8 @@ class Gateway:
     async def _shadow_fetch(self, parsed: dict[str, Any], raw: bytes, path: str, headers: dict[str, str]) -> Capture:
         """One shadow leg to the candidate, read whole; never touches breakers or usage totals."""
         backend = self.backends[CANDIDATE]
-        start = time.perf_counter()
-        try:
-            opened = await open_attempt(self.client, backend, "POST", f"v1/{path}", "",
-                                        backend_headers(backend, headers, shadow=True),
-                                        backend_body(backend, raw, parsed), self.config.shadow.timeout_s)
-        except AttemptFailed as e:
-            return Capture(status=e.status, body=_json_or_none(e.body), error="" if e.status else str(e))
-        try:
-            if not opened.is_sse:
-                raw_body = opened.first + b"".join([c async for c in opened.rest])
-                return capture_body(opened.response.status_code, raw_body, start)
-            tap = StreamTap(start, keep_events=True)
-            tap.feed(opened.first)
-            async for chunk in opened.rest:
-                tap.feed(chunk)
-            return tap.finish()
-        finally:
-            await opened.response.aclose()
+        return await fetch_capture(self.client, backend, f"v1/{path}", backend_headers(backend, headers, shadow=True),
+                                   backend_body(backend, raw, parsed), self.config.shadow.timeout_s)
 
     def status(self) -> dict[str, Any]:
         """The /gateway/status document."""
@@ -306,9 +291,3 @@ class Gateway:
             "events": list(self.events.items)[-50:], "event_seq": self.events.seq,
         }
 
-
-def _json_or_none(raw: bytes) -> Any:
-    try:
-        return json.loads(raw) if raw else None
-    except ValueError:
-        return None

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from tandem.gateway.capture import Capture, StreamTap, capture_body
 from tandem.gateway.config import BackendConfig
 
 SHADOW_HEADER = "x-tandem-shadow"
@@ -107,6 +109,34 @@ async def open_attempt(client: httpx.AsyncClient, backend: BackendConfig, method
         if response is not None:
             await response.aclose()
         raise AttemptFailed("connect_error", f"{backend.name}: {type(e).__name__}: {e}") from e
+
+
+async def fetch_capture(client: httpx.AsyncClient, backend: BackendConfig, path: str, headers: dict[str, str],
+                        body: bytes, timeout_s: float, method: str = "POST") -> Capture:
+    """One whole answer from `backend` as a Capture (a stream read to its end, events kept).
+
+    Never raises for backend faults: a 5xx keeps its status and body, no answer gives status None
+    and the reason in `error`.
+    """
+    start = time.perf_counter()
+    try:
+        opened = await open_attempt(client, backend, method, path, "", headers, body, timeout_s)
+    except AttemptFailed as e:
+        parsed = capture_body(e.status, e.body, start).body if e.status else None
+        return Capture(status=e.status, body=parsed, error="" if e.status else str(e))
+    try:
+        if not opened.is_sse:
+            raw = opened.first + b"".join([c async for c in opened.rest])
+            return capture_body(opened.response.status_code, raw, start)
+        tap = StreamTap(start, keep_events=True)
+        tap.feed(opened.first)
+        async for chunk in opened.rest:
+            tap.feed(chunk)
+        return tap.finish()
+    except httpx.HTTPError as e:
+        return Capture(status=opened.response.status_code, stream=opened.is_sse, error=f"broke: {e!r}")
+    finally:
+        await opened.response.aclose()
 
 
 def sse_error_event(message: str, code: str = "backend_stream_broken") -> bytes:

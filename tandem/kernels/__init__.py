@@ -238,6 +238,65 @@ def dequantize_q4_1(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return load_extension().dequantize_q4_1(qweight, scale)
 
 
+__all__ += ["linear_q4_k", "linear_q5_0", "linear_q6_k"]
+
+
+def _routed(op: str):  # noqa: ANN202
+    """``op`` of the variant the kernel registry routes it to (the avx2 build for the GGUF K-quant linears)."""
+    from tandem.kernels import build, registry
+
+    return getattr(build.load_variant(registry.backend_for(op)), op)
+
+
+def linear_q5_0(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x [M, K] bf16 @ dequant(qweight, scale).T (+ bias)`` -> ``[M, N]`` bf16: GGUF Q5_0 blocks.
+
+    ``qweight [N, K/32 * 20]`` uint8 (per block: 4 bytes of 5th bits, 16 bytes of nibbles), ``scale [N, K/32]``
+    fp16 (``tandem/models/gguf_blocks.py``). avx2 only (``avx512_bf16`` routes it there): activations quantized
+    per block of 32 (``ggml_vec_dot_q5_0_q8_0``): within the activation bound (module docstring), plus fp32
+    rounding and the output's bf16 rounding. Any M, batch invariant.
+
+    Raises:
+        RuntimeError: wrong dtypes or shapes (raised by the kernel).
+    """
+    return _routed("linear_q5_0")(x, qweight, scale, bias)
+
+
+def linear_q4_k(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x [M, K] bf16 @ dequant(qweight, scale).T (+ bias)`` -> ``[M, N]`` bf16: GGUF Q4_K super-blocks.
+
+    ``qweight [N, K/256 * 140]`` uint8 (12 bytes of 6-bit scales and mins, 128 bytes of nibbles),
+    ``scale [N, K/256, 2]`` fp16 (d, dmin) (``tandem/models/gguf_blocks.py``). avx2 only: activations
+    quantized per token and block of 256 as llama.cpp's q8_K (``ggml_vec_dot_q4_K_q8_K``): ``dy ~ max|x_B| /
+    127``, so within ``sum_B max|x_B| / 254 * sum_{j in B} |w_j|`` plus fp32 rounding and bf16 output rounding.
+    Any M, batch invariant.
+
+    Raises:
+        RuntimeError: x's K is not the weight's (``qweight`` rows hold whole blocks of 256), or wrong
+            dtypes/shapes (raised by the kernel).
+    """
+    return _routed("linear_q4_k")(x, qweight, scale, bias)
+
+
+def linear_q6_k(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x [M, K] bf16 @ dequant(qweight, scale).T (+ bias)`` -> ``[M, N]`` bf16: GGUF Q6_K super-blocks.
+
+    ``qweight [N, K/256 * 208]`` uint8 (ql[128], qh[64], 16 int8 scales), ``scale [N, K/256]`` fp16 (d). avx2
+    only: q8_K activations as ``linear_q4_k`` (``ggml_vec_dot_q6_K_q8_K``), the same bound. Any M, batch
+    invariant.
+
+    Raises:
+        RuntimeError: x's K is not the weight's, or wrong dtypes/shapes (raised by the kernel).
+    """
+    return _routed("linear_q6_k")(x, qweight, scale, bias)
+
+
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """In-place ``rotary``: ``x [T, H, D]`` (heads contiguous, any token stride) with ``cos, sin [T, 1, D]``.
 
@@ -261,16 +320,18 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     load_extension().fused_add_rms_norm(x, residual, weight, eps)
 
 
-def decoder_layer_bf16(
+# The formats a linear of ``decoder_layer`` may have, in the C++ kernel's numbering (csrc/decoder_layer.cpp).
+LINEAR_KINDS = ("bf16", "int8", "int4", "q8_0", "q4_1")
+LayerLinear = tuple[str, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
+
+
+def decoder_layer(
     x: torch.Tensor,
     residual: torch.Tensor | None,
     input_norm: torch.Tensor,
     post_norm: torch.Tensor,
     eps: float,
-    qkv: tuple[torch.Tensor, torch.Tensor | None],
-    o: tuple[torch.Tensor, torch.Tensor | None],
-    gate_up: tuple[torch.Tensor, torch.Tensor | None],
-    down: tuple[torch.Tensor, torch.Tensor | None],
+    linears: tuple[LayerLinear, LayerLinear, LayerLinear, LayerLinear],
     cos: torch.Tensor,
     sin: torch.Tensor,
     k_cache: torch.Tensor,
@@ -281,22 +342,25 @@ def decoder_layer_bf16(
     scale: float,
     max_query_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A whole bf16 pre-norm decoder layer (Llama / Mistral / Qwen2) in one call: ``(mlp_out, residual)``.
+    """A whole pre-norm decoder layer (Llama / Mistral / Qwen2) in one call: ``(mlp_out, residual)``.
 
     Runs the kernels of ``LlamaDecoderLayer.forward``'s kernel path in the same order, so the result
-    is bit-identical to it: ``x [T, hidden]`` and ``residual`` (None on the first layer: ``x`` is then
-    the embeddings) as there; norm weights ``[hidden]``; ``(weight [N, K], bias [N] or None)`` per
-    linear (``qkv`` rows ordered q, k, v); ``cos, sin [T, 1, head_dim]``; caches ``[N, B, KV, D]``;
-    ``meta`` an ``AttentionMetadata``. Requires ``T <= max_query_len`` and the registry's limits
-    (``registry.use("decoder_layer_bf16", tokens=T)``).
+    is bit-identical to it: ``x [T, hidden]`` bf16 and ``residual`` (None on the first layer: ``x`` is
+    then the embeddings) as there; norm weights ``[hidden]``; ``linears`` = qkv (rows ordered q, k, v),
+    o, gate_up, down, each ``(format, weight, scale, bias)``: ``"bf16"`` with the weight ``[N, K]`` and no
+    scale, or a ``QuantizedLinear`` format of ``LINEAR_KINDS`` with its ``qweight`` and ``scale``
+    (``Linear.kernel_linear`` / ``QuantizedLinear.kernel_linear``); ``cos, sin [T, 1, head_dim]``; caches
+    ``[N, B, KV, D]``; ``meta`` an ``AttentionMetadata``. Requires ``T <= max_query_len`` and the
+    registry's limits (``registry.use("decoder_layer", tokens=T)`` and each linear's own op).
 
     Changes: overwrites ``x`` and ``residual`` in place; writes this step's K/V into the caches.
 
     Raises:
-        RuntimeError: wrong dtypes, shapes or layouts (raised by the kernels).
+        ValueError: an unknown format. RuntimeError: wrong dtypes, shapes or layouts (raised by the kernels).
     """
-    return load_extension().decoder_layer_bf16(
-        x, residual, input_norm, post_norm, eps, qkv[0], qkv[1], o[0], o[1], gate_up[0], gate_up[1], down[0], down[1],
-        cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        num_heads, num_kv_heads, scale, max_query_len,
+    kinds = [LINEAR_KINDS.index(fmt) for fmt, _, _, _ in linears]
+    return load_extension().decoder_layer(
+        x, residual, input_norm, post_norm, eps, kinds, [w for _, w, _, _ in linears], [s for _, _, s, _ in linears],
+        [b for _, _, _, b in linears], cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+        meta.query_start_loc, num_heads, num_kv_heads, scale, max_query_len,
     )

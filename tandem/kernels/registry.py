@@ -10,7 +10,12 @@ token count per call (None = any):
 - linear layers: 16 tokens on ``avx512_bf16`` (a streaming GEMV/small-M GEMM; oneDNN's GEMM is faster
   above), any M on ``avx2`` (one batch-invariant kernel for all M).
 - ``paged_attention``: the longest row (query tokens) the kernel attends; longer rows go to SDPA.
-- ``decoder_layer_bf16``: tokens per step (the whole step must fit its linears and its attention).
+- ``decoder_layer``: tokens per step (the whole step must fit its linears and its attention).
+
+An operator a variant does not declare may name another variant in ``ROUTES``: the GGUF Q5_0 / Q4_K / Q6_K
+linears exist only as AVX2 kernels, and ``avx512_bf16`` routes them to the ``avx2`` build (every CPU with
+AVX-512 BF16 runs AVX2 code; the avx2 variant is then built and loaded beside the selected one). There
+is no AVX-512 version of them yet: AVX-512 code cannot be tested on the AVX2 machines this was written on.
 
 Callers ask ``use(op, tokens=T)`` at each call site. Nothing here is cached: the answer follows the
 loaded variant (``configure`` may switch it before a model is built).
@@ -34,6 +39,8 @@ BACKENDS = ("avx512_bf16", "avx2", "torch")
 UNLIMITED = 1 << 30  # what ``max_tokens`` returns for "any size" (fits the kernels' int64 arguments)
 
 _LINEAR_OPS = ("linear_bf16", "linear_int8", "linear_int4", "linear_q8_0", "linear_q4_1")
+# GGUF blocks, kernels/csrc/avx2/linear_kquant.cpp
+_AVX2_ONLY_LINEAR_OPS = ("linear_q5_0", "linear_q4_k", "linear_q6_k")
 _DEQUANT_OPS = ("dequantize", "dequantize_q8_0", "dequantize_q4_1")
 _ELEMENTWISE_OPS = ("rms_norm", "fused_add_rms_norm", "rotary", "rotary_", "silu_and_mul")
 _THREAD_OPS = ("bind_omp_threads", "omp_thread_ids")
@@ -55,10 +62,13 @@ LIMITS: dict[str, dict[str, int | None]] = {
     # dequantize for one oneDNN GEMM above the linear limit; avx2's linears take every M instead
     **{op: _limits(None, _NONE) for op in _DEQUANT_OPS},
     "paged_attention": _limits(16, None),
-    "decoder_layer_bf16": _limits(16, None),
+    "decoder_layer": _limits(16, None),
+    **{op: _limits(_NONE, None) for op in _AVX2_ONLY_LINEAR_OPS},
     # avx2 only for now; on avx512_bf16 models.moe.moe_grouped runs one linear_bf16 pair per expert
     "moe_bf16": _limits(_NONE, None),
 }
+# op -> {selected variant: the variant whose kernel runs instead}, for operators the selected one lacks.
+ROUTES: dict[str, dict[str, str]] = {op: {"avx512_bf16": "avx2"} for op in _AVX2_ONLY_LINEAR_OPS}
 
 # What each path is, for the start-up line, /metrics and /version.
 DESCRIPTIONS = {"avx512_bf16": "AVX-512 BF16 + VNNI", "avx2": "AVX2+FMA+F16C", "torch": "stock PyTorch ops"}
@@ -89,6 +99,8 @@ def backend_for(op: str) -> str:
 @functools.cache
 def _backend_for(variant: str | None, op: str) -> str:
     limits = LIMITS[op]
+    if variant is not None and variant not in limits:
+        variant = ROUTES.get(op, {}).get(variant)
     if variant is None or variant not in limits:
         return "torch"
     module = build.load_variant(variant)

@@ -7,6 +7,7 @@ this module only keeps the table. No tensors.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -49,6 +50,9 @@ class LeaseTable:
         self.ttl_s = ttl_s
         self.clock = clock
         self._leases: dict[str, Lease] = {}
+        # NOTE: a min-heap of (expiry, id); renewals push a new entry and stale ones are skipped when popped,
+        # so finding the expired leases costs O(expired log n), not a scan of every lease.
+        self._expiries: list[tuple[float, str]] = []
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -69,6 +73,7 @@ class LeaseTable:
             raise ValueError(f"lease {lease_id!r} already exists")
         lease = Lease(lease_id, blocks, self._expiry(ttl_s))
         self._leases[lease_id] = lease
+        heapq.heappush(self._expiries, (lease.expires_at, lease_id))
         return lease
 
     def get(self, lease_id: str) -> Lease:
@@ -82,6 +87,7 @@ class LeaseTable:
         """Moves the expiry to ``ttl_s`` seconds from now; returns it. Raises ``UnknownLeaseError``."""
         lease = self.get(lease_id)
         lease.expires_at = self._expiry(ttl_s)
+        heapq.heappush(self._expiries, (lease.expires_at, lease_id))
         return lease.expires_at
 
     def pop(self, lease_id: str) -> Lease:
@@ -91,9 +97,18 @@ class LeaseTable:
         return lease
 
     def expired_ids(self) -> list[str]:
-        """Ids of the leases whose expiry is at or before now (changes nothing)."""
-        now = self.clock()
-        return [lid for lid, lease in self._leases.items() if lease.expires_at <= now]
+        """Ids of the leases whose expiry is at or before now, soonest first.
+
+        Changes: drops their entries (and stale ones of renewed or released leases) from the expiry heap;
+        the leases themselves stay until ``pop``.
+        """
+        now, expired = self.clock(), []
+        while self._expiries and self._expiries[0][0] <= now:
+            expires_at, lease_id = heapq.heappop(self._expiries)
+            lease = self._leases.get(lease_id)
+            if lease is not None and lease.expires_at == expires_at and lease_id not in expired:
+                expired.append(lease_id)
+        return expired
 
     def _expiry(self, ttl_s: float | None) -> float:
         ttl = self.ttl_s if ttl_s is None else ttl_s

@@ -3,13 +3,14 @@
 The folder holds `config.json`, `model.safetensors`, `tokenizer.json`, `tokenizer_config.json` and
 `generation_config.json`, so Tandem's safetensors loader reads it like any HF checkpoint.
 
-Linear weights in Q8_0, Q4_0 or Q4_1 are kept as the file's blocks, split into codes and scales
-(`tandem/models/quant.py` formats q8_0, int4, q4_1): `<module>.qweight` and `<module>.scale` (for Q4_1
-the (d, m) pairs) instead of `<module>.weight`; config.json lists them under `QUANTIZED_KEY`
+Linear weights in Q8_0, Q4_0, Q4_1, Q5_0, Q4_K or Q6_K are kept as the file's blocks, split into codes and
+scales (`tandem/models/quant.py` formats q8_0, int4, q4_1, q5_0, q4_k, q6_k; layouts in
+`tandem/models/gguf_blocks.py`): `<module>.qweight` and `<module>.scale` (for Q4_1 / Q4_K the (d, m) /
+(d, dmin) pairs) instead of `<module>.weight`; config.json lists them under `QUANTIZED_KEY`
 (`{"version": 1, "modules": {hf module name: format}}`) and the loader builds `QuantizedLinear` modules
-from them. A tied LM head whose embedding table is Q8_0/Q4_0/Q4_1 gets its own `lm_head.*` codes from
+from them. A tied LM head whose embedding table is in a kept type gets its own `lm_head.*` codes from
 the table's blocks (the decode step reads the head's bytes once per token; the table itself is stored
-dequantized for lookups). Other block types (Q4_K, Q6_K, ...) and embedding tables are dequantized to
+dequantized for lookups). Other block types (Q5_1, Q5_K, Q2_K, IQ*, ...) and embedding tables are dequantized to
 F32 (exact); F32/F16/BF16 tensors are copied in their own dtype. With `keep_quantized=False` every
 block type is dequantized, which transformers can read too.
 
@@ -30,11 +31,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
 from tandem.models import gguf_moe
+from tandem.models.gguf_blocks import LAYOUTS, block_shapes
 
 # GGUF `general.architecture` -> (HF architecture class, HF model_type). Mistral GGUFs use "llama".
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -74,13 +77,15 @@ _TORCH_DTYPE = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 # config.json key listing the linear layers stored quantized (read by tandem.models.loader).
 QUANTIZED_KEY = "tandem_quantized"
 QUANTIZED_VERSION = 1
-# Block types kept as they are -> QuantizedLinear format; bytes per block of 32 weights.
+# Block types kept as they are -> QuantizedLinear format (block layouts: tandem/models/gguf_blocks.py).
 _KEPT_BLOCKS = {
     GGMLQuantizationType.Q8_0: "q8_0",
     GGMLQuantizationType.Q4_0: "int4",
     GGMLQuantizationType.Q4_1: "q4_1",
+    GGMLQuantizationType.Q5_0: "q5_0",
+    GGMLQuantizationType.Q4_K: "q4_k",
+    GGMLQuantizationType.Q6_K: "q6_k",
 }
-_BLOCK_BYTES = {"q8_0": 34, "int4": 18, "q4_1": 20}
 # GGUF tensors that are linear layers' weights (the embedding table is not: a lookup reads one row).
 _LINEAR_BASES = frozenset(
     {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output"}
@@ -310,11 +315,10 @@ def _hf_shape(tensor: ReaderTensor) -> tuple[int, ...]:
 def _quantized_entries(module: str, tensor: ReaderTensor, permute_heads: int | None) -> list[_Entry]:
     """The codes and scales of a kept block tensor (`_KEPT_BLOCKS`), named after the HF `module`."""
     fmt = _KEPT_BLOCKS[tensor.tensor_type]
-    n, k = _hf_shape(tensor)
-    groups = (n, k // 32)
-    parts = [("qweight", "I8" if fmt == "q8_0" else "U8", (n, k) if fmt == "q8_0" else (n, k // 2))]
-    parts.append(("scale", "F16", (*groups, 2) if fmt == "q4_1" else groups))
-    return [_Entry(f"{module}.{part}", tensor, dtype, shape, permute_heads, part) for part, dtype, shape in parts]
+    shapes = block_shapes(fmt, *_hf_shape(tensor))
+    dtypes = {torch.int8: "I8", torch.uint8: "U8", torch.float16: "F16"}
+    return [_Entry(f"{module}.{part}", tensor, dtypes[dtype], shape, permute_heads, part)
+            for part, (shape, dtype) in shapes.items()]
 
 
 def _plan(
@@ -373,22 +377,22 @@ def load_tensor(tensor: ReaderTensor) -> np.ndarray:
 
 
 def block_parts(tensor: ReaderTensor) -> dict[str, np.ndarray]:
-    """A Q8_0/Q4_0/Q4_1 tensor's blocks split into HF-shaped arrays, bit for bit (no arithmetic).
+    """A kept block tensor (`_KEPT_BLOCKS`) split into HF-shaped arrays, bit for bit (no arithmetic).
 
-    Returns `qweight` (Q8_0: int8 [N, K]; Q4_0/Q4_1: uint8 [N, K/2], byte j of a block holding
-    weights j and j + 16 in its low and high nibble) and `scale` (fp16 [N, K/32]; for Q4_1 [N, K/32, 2],
-    the (d, m) pair of each block, kept together so a row's kernel reads one stream of them).
-    Block layouts (ggml-common.h): Q8_0 = f16 d, 32 x i8; Q4_0 = f16 d, 16 bytes; Q4_1 = f16 d, f16 m, 16 bytes.
+    Returns `qweight` (each block's bytes but its fp16 fields, in file order; Q8_0: int8 [N, K]; Q4_0/Q4_1:
+    uint8 [N, K/2], byte j of a block holding weights j and j + 16 in its low and high nibble) and `scale`
+    (the fp16 fields, [N, blocks]; Q4_1's (d, m) and Q4_K's (d, dmin) as [N, blocks, 2], kept together so a
+    row's kernel reads one stream of them). Layouts (ggml-common.h): `tandem/models/gguf_blocks.py`.
     """
     fmt = _KEPT_BLOCKS[tensor.tensor_type]
+    layout = LAYOUTS[fmt]
     n, k = _hf_shape(tensor)
-    blocks = np.asarray(tensor.data).view(np.uint8).reshape(n, k // 32, _BLOCK_BYTES[fmt])
-    codes_at = 4 if fmt == "q4_1" else 2
-    scale = blocks[..., 0:codes_at].copy().view(np.float16)  # [N, K/32, 1 or 2]
-    parts = {"scale": scale.reshape(n, k // 32, 2) if fmt == "q4_1" else scale.reshape(n, k // 32)}
-    codes = blocks[..., codes_at:].copy()
-    parts["qweight"] = codes.view(np.int8).reshape(n, k) if fmt == "q8_0" else codes.reshape(n, k // 2)
-    return parts
+    shapes = block_shapes(fmt, n, k)
+    blocks = np.asarray(tensor.data).view(np.uint8).reshape(n, k // layout.values, layout.nbytes)
+    scale = blocks[..., slice(*layout.scale)].copy().view(np.float16)
+    codes = blocks[..., slice(*layout.codes)].copy()
+    return {"scale": scale.reshape(shapes["scale"][0]),
+            "qweight": (codes.view(np.int8) if fmt == "q8_0" else codes).reshape(shapes["qweight"][0])}
 
 
 def _load_entry(entry: _Entry) -> np.ndarray:
@@ -454,7 +458,7 @@ def convert_gguf(
 ) -> Path:
     """Write an HF checkpoint folder for a GGUF file into `out_dir` (created if missing); return `out_dir`.
 
-    Writes config.json, model.safetensors (F32/F16/BF16 kept; Q8_0/Q4_0/Q4_1 linear weights as codes and
+    Writes config.json, model.safetensors (F32/F16/BF16 kept; `_KEPT_BLOCKS` linear weights as codes and
     scales when `keep_quantized`, see the module docstring; other block types dequantized to float32),
     generation_config.json, tokenizer.json and tokenizer_config.json (with `tokenizer.chat_template`).
     Not atomic: `tandem.models.resolve` converts into a temporary folder and renames it.

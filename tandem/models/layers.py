@@ -106,6 +106,13 @@ class Linear(nn.Module):
             return kernels.linear_bf16(x, self.weight, self.bias)
         return torch_linear(x, self.weight, self.bias)
 
+    def kernel_linear(self, tokens: int) -> tuple[str, torch.Tensor, None, torch.Tensor | None] | None:
+        """``(format, weight, scale, bias)`` for ``kernels.decoder_layer`` when ``forward`` over ``tokens``
+        tokens of bf16 activations would call ``kernels.linear_bf16``, else None (``forward`` is then used)."""
+        if self.weight.dtype == torch.bfloat16 and registry.use("linear_bf16", tokens=tokens):
+            return "bf16", self.weight, None, self.bias
+        return None
+
 
 class Embedding(nn.Module):
     """Token embedding: ``forward(ids [T] int64) -> [T, dim]``."""

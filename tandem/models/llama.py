@@ -137,9 +137,10 @@ class LlamaDecoderLayer(nn.Module):
         """``x [T, hidden]`` (the embeddings when ``residual`` is None, else the previous layer's MLP
         output) -> ``(mlp_out, residual)``, each ``[T, hidden]``; the layer's output is their sum.
 
-        ``fused``: the caller checked that the step suits ``kernels.decoder_layer_bf16`` (see
+        ``fused``: the caller checked that the step suits ``kernels.decoder_layer`` (see
         ``LlamaModel.fused_step``); the layer then runs as one C++ call when its own modules allow it
-        (plain bf16 ``Linear`` layers, no q/k norm), with the same result as the code below.
+        (each linear has a kernel for the step: bf16 ``Linear`` or ``QuantizedLinear``; no q/k norm), with
+        the same result as the code below.
 
         Changes: may overwrite ``x`` and ``residual`` in place; writes K/V into ``kv_cache``.
         """
@@ -163,23 +164,29 @@ class LlamaDecoderLayer(nn.Module):
     def forward_fused(
         self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``forward`` as one ``kernels.decoder_layer_bf16`` call, or None when this layer's modules do
-        not suit it (quantized linears, a q/k norm). The caller checks the step (``LlamaModel.fused_step``).
+        """``forward`` as one ``kernels.decoder_layer`` call, or None when this layer's modules do not suit
+        it (a q/k norm, a linear without a kernel for this step). The caller checks the step
+        (``LlamaModel.fused_step``).
         """
-        # NOTE: checked on every call, not cached: quantize_model and self-speculation's deepcopy
-        # replace the Linear modules after construction.
+        # NOTE: asked on every call, not cached: quantize_model and self-speculation's deepcopy replace
+        # the Linear modules after construction.
         attn, mlp = self.self_attn, self.mlp
         if (attn.has_qk_norm or attn.clip_qkv is not None or self.residual_multiplier != 1.0
                 or type(mlp) is not LlamaMLP):
             return None
-        qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
-        if not all(type(m) is Linear for m in (qkv, o, gate_up, down)):
-            return None
+        tokens = x.shape[0]
+        linears = []
+        for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            kernel_linear = getattr(module, "kernel_linear", None)
+            args = kernel_linear(tokens) if kernel_linear is not None else None
+            if args is None:
+                return None
+            linears.append(args)
         norm, backend = self.input_layernorm, attn.backend
-        return kernels.decoder_layer_bf16(
-            x, residual, norm.weight, self.post_attention_layernorm.weight, norm.eps, (qkv.weight, qkv.bias),
-            (o.weight, o.bias), (gate_up.weight, gate_up.bias), (down.weight, down.bias), rope[0], rope[1],
-            kv_cache[0], kv_cache[1], meta, attn.num_heads, attn.num_kv_heads, attn.scale, backend.kernel_max_query_len,
+        return kernels.decoder_layer(
+            x, residual, norm.weight, self.post_attention_layernorm.weight, norm.eps, tuple(linears), rope[0],
+            rope[1], kv_cache[0], kv_cache[1], meta, attn.num_heads, attn.num_kv_heads, attn.scale,
+            backend.kernel_max_query_len,
         )
 
 
@@ -224,14 +231,14 @@ class LlamaModel(nn.Module):
 
     def fused_step(self, x: torch.Tensor) -> bool:
         """Whether this step's layers may run as one C++ call each (``LlamaDecoderLayer.forward_fused``):
-        bf16 activations, few enough tokens (``T``) for the registry's ``decoder_layer_bf16`` limit (its
-        linears run ``linear_bf16``), and an attention backend whose kernel attends every row.
+        bf16 activations, few enough tokens (``T``) for the registry's ``decoder_layer`` limit, and an
+        attention backend whose kernel attends every row (each layer checks its own linears).
         """
         if x.dtype != torch.bfloat16 or not self.layers:
             return False
         t = x.shape[0]
         return (t <= getattr(self.layers[0].self_attn.backend, "kernel_max_query_len", 0)
-                and registry.use("decoder_layer_bf16", tokens=t) and registry.use("linear_bf16", tokens=t))
+                and registry.use("decoder_layer", tokens=t))
 
 
 class LlamaForCausalLM(nn.Module):

@@ -7,8 +7,9 @@ that already have the target dtype, so peak memory is the model plus one tensor.
 A folder converted from a GGUF may hold linear layers quantized as they were in the file (config.json
 key ``tandem_quantized``, see ``tandem/models/gguf_convert.py``): those modules become
 ``QuantizedLinear`` before loading and their codes are copied as they are, so no float copy of them is
-ever made. A fused projection is kept quantized only when all its shards share one format; otherwise
-the quantized shards are dequantized (float32 reference, ``quant.dequantize_weight``) into a float layer.
+ever made. A fused projection whose shards are all quantized in one format is one ``QuantizedLinear``; in
+several formats (llama.cpp's K-quant mixes), a ``ConcatLinear`` of one per format; when only some of its
+shards are quantized, those are dequantized (float32 reference, ``quant.dequantize_weight``) into a float layer.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tandem.attention import AttentionBackend
 from tandem.models.hf_config import CheckpointError, HFModelConfig
 from tandem.models.layers import Linear
 from tandem.models.llama import LlamaForCausalLM
-from tandem.models.quant import QuantizedLinear, dequantize_weight
+from tandem.models.quant import ConcatLinear, QuantizedLinear, dequantize_weight
 from tandem.models.registry import get_model_class
 
 QUANTIZED_KEY = "tandem_quantized"  # NOTE: gguf_convert.QUANTIZED_KEY; not imported (gguf is heavy)
@@ -120,21 +121,23 @@ def _shard_names(name: str, module: Linear | QuantizedLinear) -> list[str]:
 def use_quantized_modules(model: torch.nn.Module, formats: dict[str, str]) -> None:
     """Replace each ``Linear`` whose checkpoint shards are all stored in one quantized format.
 
-    Changes: ``model``'s modules in place (new, uninitialized ``QuantizedLinear`` modules; a tied LM
-    head stops sharing the embedding table). Layers with mixed or no formats stay float.
+    Changes: ``model``'s modules in place (new, uninitialized ``QuantizedLinear`` / ``ConcatLinear`` modules;
+    a tied LM head stops sharing the embedding table). Layers with some shards not quantized stay float.
     """
     for name, module in list(model.named_modules()):
         if not isinstance(module, Linear):
             continue
-        shard_formats = {formats.get(shard) for shard in _shard_names(name, module)}
-        if len(shard_formats) != 1 or None in shard_formats:
+        shard_formats = [formats.get(shard) for shard in _shard_names(name, module)]
+        if None in shard_formats:
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, QuantizedLinear.empty(
-            shard_formats.pop(), module.weight.shape[1], module.output_sizes, module.bias is not None,
-            module.weight.dtype, module.shard_names,
-        ))
+        args = (module.weight.shape[1], module.output_sizes, module.bias is not None, module.weight.dtype,
+                module.shard_names)
+        if len(set(shard_formats)) == 1:
+            setattr(parent, attr, QuantizedLinear.empty(shard_formats[0], *args))
+        else:
+            setattr(parent, attr, ConcatLinear.empty(shard_formats, *args))
 
 
 def _hooked_targets(model: torch.nn.Module, files: dict[str, Path]) -> tuple[list[_Target], set[str]]:
@@ -158,9 +161,18 @@ def _hooked_targets(model: torch.nn.Module, files: dict[str, Path]) -> tuple[lis
     return targets, covered
 
 
+def _checkpoint_parent(module_name: str, concat: set[str]) -> str:
+    """The checkpoint prefix of a fused layer's shards: its parent module, or for a part of a ``ConcatLinear``
+    (``<p>.qkv_proj.parts.<i>``) the ConcatLinear's parent ``<p>``."""
+    parent = module_name.rpartition(".")[0]
+    head = parent.rpartition(".")[0]
+    return head.rpartition(".")[0] if head in concat else parent
+
+
 def _targets(model: torch.nn.Module, files: dict[str, Path] | None = None) -> list[_Target]:
     """Every checkpoint tensor the model needs; shared (tied) parameters appear once."""
     targets, covered = _hooked_targets(model, files or {})
+    concat = {name for name, m in model.named_modules() if isinstance(m, ConcatLinear)}
     quantized = [
         (f"{name}.{leaf}", buf) for name, m in model.named_modules() if isinstance(m, QuantizedLinear)
         for leaf, buf in m.named_buffers(recurse=False) if leaf in QUANTIZED_PARTS
@@ -171,7 +183,7 @@ def _targets(model: torch.nn.Module, files: dict[str, Path] | None = None) -> li
         module_name, _, leaf = param_name.rpartition(".")
         module = model.get_submodule(module_name)
         if isinstance(module, Linear | QuantizedLinear) and module.shard_names:
-            parent = module_name.rpartition(".")[0]
+            parent = _checkpoint_parent(module_name, concat)
             start = 0
             for shard, size in zip(module.shard_names, module.output_sizes, strict=True):
                 targets.append(_Target(f"{parent}.{shard}.{leaf}", param, start, start + size))

@@ -14,7 +14,9 @@ ggml-quants.c ``dequantize_row_q8_0`` / ``_q4_1``; GGUF Q4_0 is exactly ``int4``
   q4_1  group-32 asymmetric int4: ``qweight [N, K/2]`` uint8 in int4's nibble layout (u in 0..15),
         ``scale [N, K/32, 2]`` fp16 pairs ``(d, m)`` (the first 4 bytes of each block, interleaved so a
         row's scales and mins are one stream), ``w = u * d + m``.
-``QuantizedLinear.empty`` makes a q8_0 / q4_1 layer's ``qweight`` and ``scale`` strided views of one buffer
+Three more keep a GGUF's Q5_0 / Q4_K / Q6_K blocks (``q5_0``, ``q4_k``, ``q6_k``: ``qweight`` the blocks' bytes
+without their fp16 fields, ``scale`` those fields; layouts and dequantization in ``tandem/models/gguf_blocks.py``).
+``QuantizedLinear.empty`` makes a GGUF format's ``qweight`` and ``scale`` strided views of one buffer
 (per row: its scales, then its codes, each starting 64-byte aligned), so a layer is one sequential stream.
 The C++ kernels (``tandem.kernels.linear_int8/int4/q8_0/q4_1``) multiply bf16 activations with these
 formats up to the token count the kernel registry allows (``tandem/kernels/registry.py``; avx2: every
@@ -35,10 +37,12 @@ from torch import nn
 
 from tandem import kernels
 from tandem.kernels import registry
+from tandem.models import gguf_blocks
 from tandem.models.layers import Linear
 
 METHODS = ("int8", "int4")  # what quantize_model makes from float weights
-FORMATS = ("int8", "int4", "q8_0", "q4_1")  # every storage format of QuantizedLinear
+FORMATS = ("int8", "int4", "q8_0", "q4_1", *gguf_blocks.KQUANT_FORMATS)  # every storage format of QuantizedLinear
+ONE_BUFFER = ("q8_0", "q4_1", *gguf_blocks.KQUANT_FORMATS)  # formats whose scales and codes share one buffer
 GROUP = 32
 
 
@@ -114,6 +118,8 @@ def dequantize_weight(method: str, qweight: torch.Tensor, scale: torch.Tensor) -
         return dequantize_q8_0(qweight, scale)
     if method == "q4_1":
         return dequantize_q4_1(qweight, scale)
+    if method in gguf_blocks.KQUANT_FORMATS:
+        return gguf_blocks.dequantize(method, qweight, scale)
     raise ValueError(f"quantized format must be one of {FORMATS}, got {method!r}")
 
 
@@ -130,6 +136,8 @@ def quantized_shapes(
     n, k = out_features, in_features
     if method == "int8":
         return {"qweight": ((n, k), torch.int8), "scale": ((n,), torch.float32)}
+    if method in gguf_blocks.KQUANT_FORMATS:
+        return gguf_blocks.block_shapes(method, n, k)
     if k % GROUP:
         raise ValueError(f"{method} needs an input size that is a multiple of {GROUP}, got {k}")
     groups = ((n, k // GROUP), torch.float16)
@@ -190,12 +198,12 @@ class QuantizedLinear(nn.Module):
         self.output_sizes, self.shard_names = list(output_sizes), tuple(shard_names)
         self.in_features, self.method = input_size, method
         shapes = quantized_shapes(method, sum(output_sizes), input_size)
-        if method in ("q8_0", "q4_1"):
+        if method in ONE_BUFFER:
             # NOTE: one buffer, each row's fp16 scales just before its codes (both starting 64-byte aligned):
             # the kernels read the weights as one sequential stream (about 34 bytes per 32 weights, as
             # llama.cpp's blocks); ``qweight`` and ``scale`` are strided views of it. Separate arrays are
             # two streams, measured 15-20% slower on layers read from DRAM.
-            (n, k), code_dtype = shapes["qweight"]
+            (n, k), code_dtype = shapes["qweight"]  # k: code bytes per row
             scale_shape = shapes["scale"][0]  # [n, groups] or [n, groups, 2], fp16
             scale_bytes = 2 * math.prod(scale_shape[1:])
             head = -(-scale_bytes // 64) * 64
@@ -213,7 +221,8 @@ class QuantizedLinear(nn.Module):
         """The weight ``[N, K]`` as ``dtype`` (the PyTorch path and the kernels' oracle)."""
         return dequantize_weight(self.method, self.qweight, self.scale).to(dtype)
 
-    _LINEAR_OPS = {"int4": "linear_int4", "int8": "linear_int8", "q8_0": "linear_q8_0", "q4_1": "linear_q4_1"}
+    _LINEAR_OPS = {"int4": "linear_int4", "int8": "linear_int8", "q8_0": "linear_q8_0", "q4_1": "linear_q4_1",
+                   **{f: f"linear_{f}" for f in gguf_blocks.KQUANT_FORMATS}}
     _DEQUANT_OPS = {"int4": "dequantize", "int8": "dequantize", "q8_0": "dequantize_q8_0", "q4_1": "dequantize_q4_1"}
 
     def _kernel_dequantized(self) -> torch.Tensor:
@@ -238,7 +247,8 @@ class QuantizedLinear(nn.Module):
         if (bf16 and x.dim() == 2 and (self.bias is None or self.bias.dtype == torch.bfloat16)
                 and registry.use(op, tokens=x.shape[0])):
             return getattr(kernels, op)(x, self.qweight, self.scale, self.bias)
-        if bf16 and registry.use(op) and registry.use(self._DEQUANT_OPS[self.method]):
+        dequant_op = self._DEQUANT_OPS.get(self.method)
+        if bf16 and dequant_op is not None and registry.use(op) and registry.use(dequant_op):
             # NOTE: more tokens than the kernel takes (prefill on avx512_bf16) is compute-bound: one fast
             # dequantization per call, then oneDNN's bf16 GEMM; no dense copy is kept.
             bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -247,8 +257,52 @@ class QuantizedLinear(nn.Module):
         bias = None if self.bias is None else self.bias.to(compute)
         return F.linear(x.to(compute), self.dense_weight(compute), bias).to(x.dtype)
 
+    def kernel_linear(self, tokens: int) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """``(format, qweight, scale, bias)`` for ``kernels.decoder_layer`` when ``forward`` over ``tokens``
+        tokens of bf16 activations would call this format's linear kernel, else None (also for the formats
+        the fused layer does not take: the GGUF K-quants, whose kernels exist in the avx2 build only)."""
+        if (self.method in kernels.LINEAR_KINDS and (self.bias is None or self.bias.dtype == torch.bfloat16)
+                and registry.use(self._LINEAR_OPS[self.method], tokens=tokens)):
+            return self.method, self.qweight, self.scale, self.bias
+        return None
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.qweight.shape[0]}, method={self.method}"
+
+
+class ConcatLinear(nn.Module):
+    """A fused projection whose shards a GGUF file stores in different formats (a Q4_K_M file's q/k in Q5_0 and
+    v in Q8_0): one ``QuantizedLinear`` per run of consecutive shards sharing a format, outputs concatenated.
+
+    ``forward(x [T, K]) -> [T, sum(output_sizes)]`` in ``x``'s dtype; each part's rows as its own layer's, so
+    batch invariant wherever the parts are. ``parts[i].shard_names`` name checkpoint modules beside this one.
+    """
+
+    def __init__(self, parts: list[QuantizedLinear]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.output_sizes = [size for part in parts for size in part.output_sizes]
+        self.shard_names = tuple(name for part in parts for name in part.shard_names)
+
+    @classmethod
+    def empty(cls, formats: list[str], input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
+              shard_names: tuple[str, ...]) -> ConcatLinear:
+        """Uninitialized parts for shards ``shard_names`` (rows ``output_sizes``) stored in ``formats``.
+
+        Raises:
+            ValueError: see ``quantized_shapes``.
+        """
+        runs: list[list[int]] = []
+        for i, fmt in enumerate(formats):
+            if runs and formats[runs[-1][0]] == fmt:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        return cls([QuantizedLinear.empty(formats[run[0]], input_size, [output_sizes[i] for i in run], bias, dtype,
+                                          tuple(shard_names[i] for i in run)) for run in runs])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
 def quantize_model(model: nn.Module, method: str) -> nn.Module:

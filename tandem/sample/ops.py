@@ -45,6 +45,21 @@ def gather_logprobs(
     return top_ids, top_logprobs, sampled_logprobs, sampled_ranks
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """Forbid (-inf) every token whose bit is clear: bit ``j`` of word ``w`` allows token ``32 w + j``.
+
+    Args:
+        logits: ``[R, V]``, modified in place.
+        bitmask: ``[R, ceil(V / 32)]`` int32 (llguidance's layout); a token past ``32 * W`` is forbidden.
+    """
+    bits = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).view(bitmask.shape[0], -1).bool()
+    vocab_size = logits.shape[1]
+    if allowed.shape[1] < vocab_size:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
+    return logits.masked_fill_(~allowed[:, :vocab_size], _NEG_INF)
+
+
 def apply_min_tokens(logits: torch.Tensor, rows: list[int], token_ids: list[int]) -> torch.Tensor:
     """Forbid stop tokens (EOS, ``stop_token_ids``) in rows that have not reached ``min_tokens``.
 

@@ -3,7 +3,7 @@
 Order of steps (vLLM v1 ``Sampler.forward``):
   1. logprobs for the output, from the raw logits (vLLM's default "raw logprobs");
   2. min_tokens (forbid stop tokens), repetition penalty (prompt + output), presence/frequency
-     penalties (output);
+     penalties (output), the grammar's token mask (structured output: forbidden tokens get -inf);
   3. greedy rows: argmax; random rows: temperature, top-k, top-p, min-p, then the exponential race.
 
 Logits may come in the model dtype (bfloat16): a float32 copy is made only of what needs one (rows
@@ -21,6 +21,7 @@ import torch
 
 from tandem.outputs import Logprob, PositionLogprobs
 from tandem.sample import ops
+from tandem.sample.grammar import Grammar, allocate_bitmask, fill_bitmask
 from tandem.sampling_params import SamplingParams
 
 
@@ -32,6 +33,7 @@ class SamplingState:
     ``generator`` is the request's own RNG when ``params.seed`` is set, so its samples do not depend on
     which other requests share the batch; it advances once per random sample of this request. An
     unseeded request shares its engine's generator (``default_generator``; None: torch's global one).
+    ``grammar``: the request's structured-output matcher, or None; ``append`` advances it.
     """
 
     params: SamplingParams
@@ -39,6 +41,7 @@ class SamplingState:
     output_token_ids: list[int]
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None = None
+    grammar: Grammar | None = None
 
     @classmethod
     def create(
@@ -57,6 +60,12 @@ class SamplingState:
         return cls(params, list(prompt_token_ids), list(output_token_ids or []), frozenset(eos_token_ids),
                    generator)
 
+    def append(self, token_ids: list[int]) -> None:
+        """Records accepted tokens: appends them to ``output_token_ids`` and advances ``grammar``."""
+        self.output_token_ids.extend(token_ids)
+        if self.grammar is not None:
+            self.grammar.accept(token_ids)
+
     @cached_property
     def prompt_ids_tensor(self) -> torch.Tensor:
         """``[num_prompt_tokens]`` int64 prompt ids, built once (the prompt never changes)."""
@@ -72,6 +81,8 @@ class SamplingState:
         p = self.params
         if len(self.output_token_ids) >= p.min_tokens:
             return []
+        if self.grammar is not None and self.grammar.is_stopped():
+            return []  # NOTE: the grammar now allows only EOS; min_tokens must not forbid every token
         eos = [] if p.ignore_eos else sorted(self.eos_token_ids)
         return eos + list(p.stop_token_ids)
 
@@ -105,8 +116,14 @@ class Sampler:
         lp_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         raw_logprobs = ops.compute_logprobs(logits[lp_rows]) if lp_rows else None
 
-        if any(s.needs_penalties or s.min_tokens_blocked_ids() for s in states):
+        grammar_rows = [i for i, s in enumerate(states) if s.grammar is not None]
+        if grammar_rows or any(s.needs_penalties or s.min_tokens_blocked_ids() for s in states):
             logits = process_logits(logits, states)
+        if grammar_rows:
+            grammars = [states[i].grammar for i in grammar_rows]
+            bitmask = allocate_bitmask(len(grammar_rows), logits.shape[1])
+            fill_bitmask(grammars, bitmask)
+            apply_grammar_mask(logits, grammar_rows, bitmask)
         sampled = _sample(logits, states)
 
         logprobs: list[PositionLogprobs | None] = [None] * len(states)
@@ -127,6 +144,15 @@ def process_logits(logits: torch.Tensor, states: list[SamplingState]) -> torch.T
     _apply_min_tokens(logits, states)
     _apply_penalties(logits, states)
     return logits
+
+
+def apply_grammar_mask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Masks ``logits [R, V]`` rows ``rows`` (in place) with ``bitmask [len(rows), ceil(V / 32)]``."""
+    if len(rows) == logits.shape[0]:
+        ops.apply_token_bitmask(logits, bitmask)
+        return
+    index = torch.tensor(rows)
+    logits.index_copy_(0, index, ops.apply_token_bitmask(logits.index_select(0, index), bitmask))
 
 
 def _apply_min_tokens(logits: torch.Tensor, states: list[SamplingState]) -> None:

@@ -36,6 +36,7 @@ from tandem.server.service_routes import add_service_routes
 from tandem.server.serving_chat import OpenAIServingChat
 from tandem.server.serving_common import ModelNames
 from tandem.server.serving_completions import OpenAIServingCompletion
+from tandem.server.tools import ToolCalling
 
 
 async def _wait_for_disconnect(raw: Request) -> None:
@@ -93,10 +94,12 @@ class APIKeyMiddleware:
 
 
 def build_app(
-    engine: AsyncLLM, served_model_names: list[str], api_key: str | None, metrics: ServerMetrics
+    engine: AsyncLLM, served_model_names: list[str], api_key: str | None, metrics: ServerMetrics,
+    tools: ToolCalling | None = None,
 ) -> FastAPI:
     """The ASGI app for one engine. Starting it starts the engine's output loop; stopping it
-    (after uvicorn's graceful drain) shuts the engine-core process down."""
+    (after uvicorn's graceful drain) shuts the engine-core process down. ``tools``: the tool-calling
+    settings (default: no auto tool choice)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -110,7 +113,7 @@ def build_app(
     errors.install_error_handlers(app)
     names = ModelNames(served_model_names)
     completions = OpenAIServingCompletion(engine, names)
-    chat = OpenAIServingChat(engine, names)
+    chat = OpenAIServingChat(engine, names, tools)
     started = int(time.time())
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)

@@ -24,7 +24,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from tandem.config import DEFAULT_MAX_QUEUE_LEN, EngineConfig, ParallelConfig, ServerConfig
+from tandem.config import DEFAULT_MAX_QUEUE_LEN, TOOL_CALL_PARSERS, EngineConfig, ParallelConfig, ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,13 @@ def add_serve_parser(
                         "--core-restart-window seconds (a crash loop; default 3; 1 = never restart)")
     p.add_argument("--core-restart-window", type=float, default=60.0, help="seconds (default 60)")
     p.add_argument("--instance-id", default=None, help="this server's id in /load and /metrics (default: a uuid)")
+    p.add_argument("--disaggregate", action="store_true",
+                   help="run a prefill server and a decode server on split cores (P/D disaggregation over "
+                        "loopback TCP) behind one OpenAI-compatible port (tandem/disagg/launch.py)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice "auto" (needs --tool-call-parser), as vLLM')
+    p.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help="how tool calls are read from the model's text (vLLM's names)")
     from tandem.cli import add_parallel_args
 
     add_parallel_args(p, listen=False)
@@ -69,6 +76,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         served_model_names=tuple(args.served_model_name or ()), log_requests=args.log_requests,
         shutdown_timeout=args.shutdown_timeout, core_restart_limit=args.core_restart_limit,
         core_restart_window=args.core_restart_window, instance_id=args.instance_id,
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
     )
 
 
@@ -131,9 +139,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if getattr(args, "engine_address", None) is not None:
         _refuse_engine_flags(args)
+    if getattr(args, "disaggregate", False):
+        return _serve_disaggregated(args)
     log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     return serve(engine_config_from_args(args), server_config_from_args(args), log_level,
                  default_name=args.model or DEFAULT_MODEL_NAME, parallel_config=parallel_config_from_args(args))
+
+
+def _serve_disaggregated(args: argparse.Namespace) -> int:
+    """``serve --disaggregate``: this command's own flags go to both sides (``disagg/launch.py``).
+
+    Raises: ValueError: combined with --kv-transfer-config, --engine-address or -dp > 1.
+    """
+    from tandem.disagg.launch import serve_disaggregated
+
+    if args.kv_transfer_config or getattr(args, "engine_address", None) or getattr(args, "data_parallel_size", 1) > 1:
+        raise ValueError("--disaggregate sets up its own --kv-transfer-config for both sides; it cannot be combined "
+                         "with --kv-transfer-config, --engine-address or --data-parallel-size > 1")
+    rest = sys.argv[sys.argv.index("serve") + 1:] if "serve" in sys.argv else []
+    return serve_disaggregated([a for a in rest if a != "--disaggregate"], args.host, args.port)
 
 
 # Engine flags that still mean something with a remote core: the tokenizer's folder and its template.
@@ -180,6 +204,9 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: s
     logging.getLogger("tandem.requests").setLevel(logging.INFO)
     dp = parallel_config is not None and (parallel_config.data_parallel_size > 1
                                           or parallel_config.data_parallel_backend == "ray")
+    if dp and engine_config.kv_transfer is not None:
+        raise ValueError("--kv-transfer-config serves one engine core per server (its kv_port); it cannot be "
+                         "combined with --data-parallel-size > 1 or the ray backend yet")
     # NOTE: a bad --cpu-bind fails before any core starts
     if dp:
         from tandem.worker.dp_cpus import plan_engine_cpus
@@ -297,6 +324,7 @@ def _run(engine: Any, engine_config: EngineConfig, server_config: ServerConfig, 
     import uvicorn
 
     from tandem.server.app import build_app
+    from tandem.server.tools import ToolCalling
     from tandem.worker.cpu_env import pin_frontend
 
     core_pid = engine.client.pid
@@ -310,7 +338,8 @@ def _run(engine: Any, engine_config: EngineConfig, server_config: ServerConfig, 
         where = f"core at {getattr(engine.client, 'address', '?')}"
     metrics = _make_metrics(engine, names[0])
     engine.metrics = metrics
-    app = build_app(engine, names, server_config.api_key, metrics)
+    tools = ToolCalling(server_config.enable_auto_tool_choice, server_config.tool_call_parser)
+    app = build_app(engine, names, server_config.api_key, metrics, tools)
     print(f"tandem: engine ready in {time.monotonic() - t0:.1f} s ({where}, kernels {engine.client.kernel_backend}); "
           f"serving {names[0]} on http://{server_config.host}:{server_config.port}", file=sys.stderr, flush=True)
     timeout = server_config.shutdown_timeout

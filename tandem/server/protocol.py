@@ -1,10 +1,12 @@
 """OpenAI request and response schemas (pydantic), following the OpenAI API reference.
 
 Requests accept the OpenAI fields plus vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``request_id``, ``prompt_logprobs``); unknown fields are ignored, as
-OpenAI and vLLM do. Fields that Tandem knows but cannot honour (``logit_bias``, ``suffix``,
-``best_of``, tools, ``tool_choice``, ``parallel_tool_calls``, JSON modes, vLLM's ``guided_*``
-structured output) are refused with a 400 naming the field instead of being silently dropped.
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``request_id``, ``prompt_logprobs``,
+``structured_outputs``); unknown fields are ignored, as OpenAI and vLLM do. Structured output comes
+from OpenAI's ``response_format`` (``json_object``, ``json_schema``) or vLLM's ``structured_outputs``
+(``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) on both endpoints. Fields that Tandem
+knows but cannot honour (``logit_bias``, ``suffix``, ``best_of``, legacy ``functions``, vLLM's older
+``guided_*`` fields) are refused with a 400 naming the field instead of being silently dropped.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
 from pydantic_core import PydanticCustomError
 
-from tandem.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from tandem.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError, StructuredOutputsParams
+from tandem.server.protocol_tools import ResponseFormat, ToolCallParam, ToolParam
+from tandem.structured_outputs import check_grammar
 
 # Integer bounds, checked before anything reaches msgpack (64-bit) or torch. Lower bounds of n,
 # max_tokens and min_tokens are SamplingParams' (its messages); these add what keeps values encodable.
@@ -42,7 +46,7 @@ def checked(default: Any = None, **bounds: Any) -> Any:
 NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 # Fields of both endpoints that Tandem knows and does not honour: a non-null value is a 400 naming it.
 UNSUPPORTED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-                      "structured_outputs", "allowed_token_ids", "bad_words", "logits_processors")
+                      "allowed_token_ids", "bad_words", "logits_processors")
 
 
 def _first_lone_surrogate(value: Any) -> str | None:
@@ -113,6 +117,8 @@ class SamplingRequest(OpenAIModel):
     user: str | None = None
     request_id: Annotated[str, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")] | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
     # vLLM's disaggregated prefill protocol (tandem/disagg/connector.py): passed to the engine as is.
     kv_transfer_params: dict[str, Any] | None = None
     # NOTE: known fields Tandem does not honour yet: a non-null value is refused (400, param = the field).
@@ -121,7 +127,6 @@ class SamplingRequest(OpenAIModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     guided_decoding_backend: Any = None
-    structured_outputs: Any = None
     prompt_logprobs: NumLogprobs | None = None
     allowed_token_ids: Any = None
     bad_words: Any = None
@@ -132,6 +137,22 @@ class SamplingRequest(OpenAIModel):
         for name in names:
             if getattr(self, name) is not None:
                 raise SamplingParamsError(f"{name} is not supported", name)
+
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str]:
+        """The request's constraint and the field it came from (``response_format`` or ``structured_outputs``).
+
+        Raises:
+            SamplingParamsError: both fields set, or an invalid constraint (before the grammar check).
+        """
+        fmt = self.response_format.structured_outputs() if self.response_format is not None else None
+        if self.structured_outputs is None:
+            return fmt, "response_format"
+        if fmt is not None:
+            raise SamplingParamsError("give response_format or structured_outputs, not both", "structured_outputs")
+        try:
+            return StructuredOutputsParams(**self.structured_outputs), "structured_outputs"
+        except TypeError as e:
+            raise SamplingParamsError(f"structured_outputs: {e}", "structured_outputs") from None
 
     @property
     def include_usage(self) -> bool:
@@ -161,6 +182,10 @@ class SamplingRequest(OpenAIModel):
             "presence_penalty": self.presence_penalty or 0.0,
             "frequency_penalty": self.frequency_penalty or 0.0, "kv_transfer_params": self.kv_transfer_params,
         }
+        structured, param = self.structured_outputs_params()
+        if structured is not None:
+            check_grammar(structured, None, param)  # NOTE: ~1 ms for a schema, cached by grammar text
+            changes["structured_outputs"] = structured
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:
                 changes[name] = getattr(self, name)
@@ -203,23 +228,28 @@ class CompletionRequest(SamplingRequest):
 
 
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
 
-    def to_template_message(self, index: int) -> dict[str, str]:
-        """``{"role", "content"}`` for the chat template; text parts are joined with newlines.
+    def to_template_message(self, index: int) -> dict[str, Any]:
+        """``{"role", "content"}`` (+ ``tool_calls``, ``tool_call_id``, ``name``) for the chat template;
+        text parts are joined with newlines. An assistant message with tool calls may have no content.
 
         Raises:
-            SamplingParamsError: a non-text content part or tool calls (param ``messages.<i>``).
+            SamplingParamsError: a non-text content part, null content without tool calls, tool calls
+                outside an assistant message (param ``messages.<i>...``).
         """
         param = f"messages.{index}.content"
-        if self.tool_calls:
-            raise SamplingParamsError("tool calls are not supported", f"messages.{index}.tool_calls")
+        if self.tool_calls and self.role != "assistant":
+            raise SamplingParamsError("only assistant messages have tool_calls", f"messages.{index}.tool_calls")
         if self.content is None:
-            raise SamplingParamsError("content must not be null", param)
-        if isinstance(self.content, str):
+            if not self.tool_calls:
+                raise SamplingParamsError("content must not be null", param)
+            text = None
+        elif isinstance(self.content, str):
             text = self.content
         else:
             texts = []
@@ -230,11 +260,14 @@ class ChatMessage(OpenAIModel):
                 texts.append(part["text"])
             text = "\n".join(texts)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": text}
-
-
-class ResponseFormat(OpenAIModel):
-    type: str
+        message: dict[str, Any] = {"role": role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [call.to_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -244,10 +277,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
     max_completion_tokens: TokenCount | None = checked(minimum=1)
-    response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
+    tools: list[ToolParam] | None = None
     tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
     prediction: Any = None
@@ -256,16 +288,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     def sampling_params(self, defaults: SamplingParams) -> SamplingParams:
         """Raises: SamplingParamsError on unsupported fields or out-of-range values."""
-        if self.response_format is not None and self.response_format.type != "text":
-            kind = self.response_format.type
-            message = f"response_format of type {kind!r} is not supported yet"
-            raise SamplingParamsError(message, "response_format")
-        if self.tools:
-            raise SamplingParamsError("tools are not supported", "tools")
-        if self.tool_choice is not None and self.tool_choice != "none":
-            raise SamplingParamsError("tool_choice is only allowed when tools are given, and tools are not "
-                                      "supported", "tool_choice")
-        self.refuse_unsupported(("parallel_tool_calls", "functions", "function_call", "prediction", "audio"))
+        self.refuse_unsupported(("functions", "function_call", "prediction", "audio"))
         if self.top_logprobs is not None and not self.logprobs:
             raise SamplingParamsError("top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -279,8 +302,12 @@ class ChatCompletionRequest(SamplingRequest):
             raise SamplingParamsError(str(e).replace("max_tokens", "max_completion_tokens"),
                                       "max_completion_tokens") from None
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template_message(i) for i, m in enumerate(self.messages)]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """``tools`` as plain dicts for the chat template (None without tools)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
 class TokenizeRequest(OpenAIModel):
@@ -383,6 +410,7 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):

@@ -2,7 +2,8 @@
 
 Streaming follows OpenAI: each choice first gets a chunk with ``delta: {"role": "assistant",
 "content": ""}``, then content deltas; the chunk with ``finish_reason`` closes the choice; the usage
-chunk (``choices: []``) comes last when asked for, then ``data: [DONE]``.
+chunk (``choices: []``) comes last when asked for, then ``data: [DONE]``. Tool calls (``tools.py``)
+arrive as one ``delta.tool_calls`` chunk per choice once its output is complete.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tandem.engine.async_llm import AsyncLLM, EngineDeadError, EngineRequestError, RequestStream
 from tandem.engine.processor import check_context
 from tandem.outputs import CompletionOutput
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, SamplingParamsError
 from tandem.server.logprobs import chat_logprobs, prompt_logprobs_json
 from tandem.server.protocol import (
     ChatChoice,
@@ -36,15 +37,17 @@ from tandem.server.serving_common import (
     sse,
     stream_error,
 )
+from tandem.server.tools import ToolCalling, ToolCallStream, ToolPlan, extract_calls, finish_reason
 
 
 class OpenAIServingChat:
     """Handles ``/v1/chat/completions`` on top of an ``AsyncLLM``."""
 
-    def __init__(self, engine: AsyncLLM, model_names: ModelNames) -> None:
+    def __init__(self, engine: AsyncLLM, model_names: ModelNames, tools: ToolCalling | None = None) -> None:
         self.engine = engine
         self.model_names = model_names
         self.tokenizer = engine.tokenizer
+        self.tools = tools or ToolCalling()
 
     def render(self, request: ChatCompletionRequest) -> tuple[str, list[int]]:
         """The templated prompt text and its token ids (runs in the tokenizer thread).
@@ -53,7 +56,8 @@ class OpenAIServingChat:
             SamplingParamsError: an unsupported message part. PromptError: the template failed, or
                 the prompt is empty or too long to ever fit.
         """
-        return self.engine.render_chat(request.template_messages(), request.add_generation_prompt)
+        return self.engine.render_chat(request.template_messages(), request.add_generation_prompt,
+                                       request.template_tools())
 
     async def create(self, request: ChatCompletionRequest, arrival_time: float | None = None
                      ) -> JSONResponse | StreamingResponse:
@@ -68,6 +72,12 @@ class OpenAIServingChat:
         model = self.model_names.resolve(request.model)
         self.engine.check_available()
         params = request.sampling_params(self.engine.default_sampling_params)
+        plan = self.tools.plan(request.template_tools(), request.tool_choice, request.parallel_tool_calls)
+        if plan.constraint is not None:
+            if params.structured_outputs is not None:
+                raise SamplingParamsError(f"tool_choice {plan.mode!r} constrains the output; it cannot be "
+                                          "combined with response_format or structured_outputs", "tool_choice")
+            params = params.clone(structured_outputs=plan.constraint)
         check_queue_room(self.engine, 1, params.n)
         request_id = request_id_for("chatcmpl", request.request_id)
         kind = "delta" if request.stream else "cumulative"
@@ -78,9 +88,9 @@ class OpenAIServingChat:
                                          request.request_id)
         created = int(time.time())
         if request.stream:
-            return event_stream(self._stream(request, request_id, created, model, streams[0], params))
+            return event_stream(self._stream(request, request_id, created, model, streams[0], params, plan))
         (out,) = await final_outputs(streams)
-        choices = [self._choice(c, params) for c in sorted(out.outputs, key=lambda c: c.index)]
+        choices = [self._choice(c, params, plan) for c in sorted(out.outputs, key=lambda c: c.index)]
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         usage = UsageInfo.of(len(ids), completion_tokens, out.num_cached_tokens)
         response = ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
@@ -93,9 +103,11 @@ class OpenAIServingChat:
             return None
         return chat_logprobs(self.tokenizer, c.token_ids, c.logprobs or [], params.logprobs)
 
-    def _choice(self, c: CompletionOutput, params: SamplingParams) -> ChatChoice:
-        return ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                          logprobs=self._logprobs(c, params), finish_reason=c.finish_reason)
+    def _choice(self, c: CompletionOutput, params: SamplingParams, plan: ToolPlan) -> ChatChoice:
+        content, calls = extract_calls(plan, c.text)
+        message = ChatResponseMessage(content=content, tool_calls=[call.to_openai() for call in calls])
+        return ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c, params),
+                          finish_reason=finish_reason(plan, calls, c.finish_reason))
 
     def _chunk(self, request_id: str, created: int, model: str, choices: list[dict[str, Any]],
                include_usage: bool, usage: UsageInfo | None = None) -> str:
@@ -109,10 +121,11 @@ class OpenAIServingChat:
 
     async def _stream(
         self, request: ChatCompletionRequest, request_id: str, created: int, model: str,
-        stream: RequestStream, params: SamplingParams,
+        stream: RequestStream, params: SamplingParams, plan: ToolPlan,
     ) -> AsyncIterator[str]:
         include_usage = request.include_usage
         completion_tokens = cached_tokens = 0
+        splitters = [ToolCallStream(plan) for _ in range(params.n)]
         try:
             for index in range(params.n):
                 role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -126,10 +139,21 @@ class OpenAIServingChat:
                     # NOTE: one chunk per step with new tokens, even with empty text (as vLLM does).
                     if not c.token_ids and not c.text and c.finish_reason is None:
                         continue
-                    delta = {"content": c.text} if c.text else {}
+                    text, reason = splitters[c.index].feed(c.text), c.finish_reason
+                    delta: dict[str, Any] = {"content": text} if text else {}
+                    if reason is not None:
+                        rest, calls = splitters[c.index].finish()
+                        if calls:  # NOTE: the calls in one chunk, then the finish chunk (as OpenAI sends them)
+                            call_delta = {"content": text + rest} if text + rest else {}
+                            call_choice = {"index": c.index, "delta": {**call_delta, "tool_calls": calls},
+                                           "logprobs": None, "finish_reason": None}
+                            yield self._chunk(request_id, created, model, [call_choice], include_usage)
+                            text, rest = "", ""
+                        delta = {"content": text + rest} if text + rest else {}
+                        reason = finish_reason(plan, calls, reason)
                     choice = {"index": c.index, "delta": delta,
                               "logprobs": None if logprobs is None else logprobs.model_dump(),
-                              "finish_reason": c.finish_reason}
+                              "finish_reason": reason}
                     yield self._chunk(request_id, created, model, [choice], include_usage)
             if include_usage:
                 n_prompt = len(stream.prompt_token_ids)
@@ -140,3 +164,4 @@ class OpenAIServingChat:
         finally:
             stream.abort()
         yield DONE
+

@@ -13,7 +13,14 @@ import torch
 
 from tandem.outputs import PositionLogprobs
 from tandem.sample import ops
-from tandem.sample.sampler import SamplingState, filtered_probs, position_logprobs, process_logits
+from tandem.sample.grammar import allocate_bitmask, fill_bitmask
+from tandem.sample.sampler import (
+    SamplingState,
+    apply_grammar_mask,
+    filtered_probs,
+    position_logprobs,
+    process_logits,
+)
 
 
 def rejection_sample(
@@ -115,6 +122,7 @@ def verify_batch(logits: torch.Tensor, rows: list[VerifyRow]) -> list[VerifyResu
         raise ValueError(f"logits {tuple(logits.shape)} do not match {sum(counts)} verified positions")
     states = [st for r in rows for st in _position_states(r.state, r.draft_token_ids)]
     target = process_logits(logits, states)
+    _mask_grammar_rows(target, rows, counts)
     random_positions = [i for i, st in enumerate(states) if not st.params.greedy]
     if random_positions:
         index = torch.tensor(random_positions)
@@ -134,6 +142,22 @@ def verify_batch(logits: torch.Tensor, rows: list[VerifyRow]) -> list[VerifyResu
         results.append(VerifyResult(tokens, logprobs))
         start = end
     return results
+
+
+def _mask_grammar_rows(target: torch.Tensor, rows: list[VerifyRow], counts: list[int]) -> None:
+    """Masks the verified positions of rows with a grammar: position j with the grammar after drafts
+    ``[:j]`` (so a draft the grammar forbids is always rejected, and the token that replaces it is
+    allowed). The matchers end where they started; the accepted tokens advance them afterwards."""
+    starts = [0]
+    for count in counts:
+        starts.append(starts[-1] + count)
+    chosen = [i for i, r in enumerate(rows) if r.state.grammar is not None]
+    if not chosen:
+        return
+    positions = [p for i in chosen for p in range(starts[i], starts[i] + counts[i])]
+    bitmask = allocate_bitmask(len(positions), target.shape[1])
+    fill_bitmask([rows[i].state.grammar for i in chosen], bitmask, [rows[i].draft_token_ids for i in chosen])
+    apply_grammar_mask(target, positions, bitmask)
 
 
 def _position_states(state: SamplingState, draft_token_ids: list[int]) -> list[SamplingState]:

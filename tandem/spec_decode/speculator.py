@@ -132,6 +132,8 @@ class Speculator:
             propose_rows = [r for r in propose_rows if r.num_drafts > 0]
         result: dict[str, list[int]] = {}
         for row, proposal in zip(propose_rows, self.proposer.propose(propose_rows), strict=True):
+            if proposal is not None:
+                proposal = _grammar_prefix(proposal, states[row.request_id])
             if proposal is None or not proposal.token_ids:
                 self.pending.pop(row.request_id, None)
                 continue
@@ -160,3 +162,19 @@ class Speculator:
     def stats(self) -> dict[str, float]:
         """The proposer's counters (draft forwards, tokens run, seconds; n-gram lookups and hits)."""
         return self.proposer.stats()
+
+
+def _grammar_prefix(proposal: Proposal, state: SamplingState) -> Proposal:
+    """The drafts cut at the first one the request's grammar forbids (nothing to verify past it).
+
+    NOTE: only for deterministic drafts (one-hot q) or greedy rows: cutting sampled drafts on their
+    value would bias speculative sampling, so those are verified in full against the masked target
+    (which rejects a forbidden draft anyway).
+    """
+    if state.grammar is None or (proposal.probs is not None and not state.params.greedy):
+        return proposal
+    n = state.grammar.valid_prefix(proposal.token_ids)
+    if n == len(proposal.token_ids):
+        return proposal
+    probs = None if proposal.probs is None else proposal.probs[:n]
+    return Proposal(proposal.token_ids[:n], probs)

@@ -15,6 +15,8 @@ import ctypes.util
 import itertools
 import logging
 import platform
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -29,8 +31,10 @@ from tandem.models.llama import KVCache
 from tandem.models.loader import DTYPES, load_model
 from tandem.models.quant import quantize_model
 from tandem.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tandem.sample.grammar import Grammar, GrammarCompiler
 from tandem.sample.prompt_logprobs import PromptLogprobsState
 from tandem.sample.sampler import Sampler, SamplingState
+from tandem.sampling_params import SamplingParams
 from tandem.spec_decode.rejection import VerifyResult
 from tandem.spec_decode.speculator import Speculator, build_proposer
 from tandem.worker.cpu_env import configure_threads
@@ -91,6 +95,12 @@ def keep_freed_memory() -> bool:
     return bool(mmap_set and trim_set)
 
 
+def _load_tokenizer(model_dir: Path):  # noqa: ANN202 - a transformers tokenizer
+    from transformers import AutoTokenizer  # NOTE: here: transformers takes seconds to import
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
 class ModelRunner:
     """Loads a checkpoint and runs steps over a paged KV cache.
 
@@ -145,6 +155,8 @@ class ModelRunner:
             # NOTE: after the proposer, so that a self-quantized draft starts from the float weights.
             quantize_model(self.model, engine_config.model.quantization)
         self.states: dict[str, SamplingState] = {}
+        self.grammars = GrammarCompiler(lambda: _load_tokenizer(model_dir), self.hf_config.vocab_size)
+        self._pending_grammars: dict[str, Future[Grammar]] = {}
         self.prompt_logprobs: dict[str, PromptLogprobsState] = {}  # requests whose prompt logprobs are pending
         self.kv_caches: list[KVCache] = []
         self.num_blocks = 0
@@ -289,23 +301,39 @@ class ModelRunner:
 
     @staticmethod
     def _record(output: ModelRunnerOutput, request_id: str, state: SamplingState, result: VerifyResult) -> None:
-        """Appends a row's new tokens to its sampling state and to ``output`` (logprobs when asked)."""
-        state.output_token_ids.extend(result.token_ids)
+        """Appends a row's new tokens to its sampling state (and grammar) and to ``output`` (logprobs when asked)."""
+        state.append(result.token_ids)
         output.sampled_token_ids[request_id] = result.token_ids
         if state.params.logprobs is not None and result.logprobs is not None and None not in result.logprobs:
             output.logprobs[request_id] = result.logprobs
 
+    def prepare_grammar(self, request_id: str, params: SamplingParams, eos_token_ids: frozenset[int]
+                        ) -> Callable[[], bool]:
+        """Starts compiling the grammar of ``params.structured_outputs`` in the compiler's thread;
+        returns the request's readiness check (True once compiled). The row gets the grammar when it
+        is first scheduled. Changes: the pending grammars (dropped when the request finishes)."""
+        assert params.structured_outputs is not None
+        future = self.grammars.submit(params.structured_outputs, eos_token_ids)
+        self._pending_grammars[request_id] = future
+        return future.done
+
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
             self.states.pop(request_id, None)
+            self._pending_grammars.pop(request_id, None)
             self.prompt_logprobs.pop(request_id, None)
         if self.speculator is not None:
             self.speculator.remove(scheduler_output.finished_request_ids)
         for new in scheduler_output.new_requests:
-            self.states[new.request_id] = SamplingState.create(
+            state = SamplingState.create(
                 new.sampling_params, new.prompt_token_ids, new.output_token_ids, new.eos_token_ids,
                 default_generator=self.generator,
             )
+            grammar = self._pending_grammars.pop(new.request_id, None)
+            if grammar is not None:
+                state.grammar = grammar.result()  # NOTE: done: the scheduler admitted it once ready
+                state.grammar.accept(new.output_token_ids)
+            self.states[new.request_id] = state
             if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids:
                 self.prompt_logprobs[new.request_id] = PromptLogprobsState(
                     len(new.prompt_token_ids), new.sampling_params.prompt_logprobs)

@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from tandem.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
+from tandem.config import (
+    CacheConfig,
+    EngineConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from tandem.engine.core import EngineCore
 from tandem.request import Request
 from tandem.sampling_params import SamplingParams
@@ -32,14 +39,15 @@ def free_port() -> int:
 
 
 def engine(model: Path, role: str | None = None, *, dtype: str = "float32", block_size: int = BLOCK,
-           chunk: int = 0, **kv: object) -> EngineCore:
+           chunk: int = 0, speculative: SpeculativeConfig | None = None, **kv: object) -> EngineCore:
     transfer = None
     if role is not None:
         kv.setdefault("kv_port", free_port())
         transfer = KVTransferConfig(kv_role=role, **kv)
     config = EngineConfig(model=ModelConfig(model=str(model), dtype=dtype),
                           cache=CacheConfig(block_size=block_size, num_blocks=64),
-                          scheduler=SchedulerConfig(long_prefill_token_threshold=chunk), kv_transfer=transfer)
+                          scheduler=SchedulerConfig(long_prefill_token_threshold=chunk), kv_transfer=transfer,
+                          speculative=speculative)
     return EngineCore(model, config, progress=False)
 
 
@@ -256,3 +264,25 @@ def test_aborts_on_either_side_free_both_sides(engines):
     consumer.abort_requests(["abort-d"])  # the decode leg's client went away while its KV was on the wire
     drain(producer, consumer, steps=200)
     assert_clean(producer, consumer)
+
+
+def test_draft_model_kv_travels_with_speculation(stories_dir, engines):
+    colocated = engines[0]
+    spec = SpeculativeConfig(method="self-quant", num_speculative_tokens=3)
+    producer = engine(stories_dir, "kv_producer", speculative=spec)
+    consumer = engine(stories_dir, "kv_consumer", prefill_failure_policy="fail", speculative=spec)
+    try:
+        assert len(producer.runner.kv_cache_groups()) == 2  # the draft model's cache travels too
+        params = SamplingParams(**GREEDY)
+        prompt = [t + 5 for t in OTHER]
+        expected, _ = run(colocated, "spec-c", prompt, params)
+        kv_params = prefill(producer, "spec-p", prompt, params)
+        got, outcome = run(consumer, "spec-d", prompt, dataclasses.replace(params, kv_transfer_params=kv_params),
+                           producer)
+        assert got == expected and outcome["remote_prefill"] == "pulled"
+        assert consumer.stats().spec_num_drafts > 0
+        drain(producer, consumer)
+        assert_clean(producer, consumer)
+    finally:
+        producer.close()
+        consumer.close()

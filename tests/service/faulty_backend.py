@@ -2,7 +2,8 @@
 
 `FaultyBackend.mode` decides each answer: `ok` (a fixed 3-chunk stream or JSON answer), `error`
 (500 with an OpenAI error body), `slow` (ok, each chunk `delay_s` late), `midstream` (two chunks,
-then the connection breaks), `stall_shadow` (shadow legs wait until `release` is set). It records
+then the connection breaks), `stall` (every request waits until `release` is set), `stall_shadow`
+(only shadow legs wait). It records
 every request's headers and body.
 """
 
@@ -50,7 +51,7 @@ class FaultyBackend:
             if self.mode == "error":
                 return JSONResponse({"error": {"message": "planted failure", "type": "server_error", "param": None,
                                                "code": None}}, status_code=500)
-            if self.mode == "stall_shadow" and shadow:
+            if self.mode == "stall" or (self.mode == "stall_shadow" and shadow):
                 await self.release.wait()
             if body.get("stream"):
                 return StreamingResponse(self._stream(body), media_type="text/event-stream")
@@ -106,3 +107,13 @@ class ThreadServer:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+if __name__ == "__main__":
+    # NOTE: `python faulty_backend.py PORT DELAY_S` serves the ok mode in its own process (a candidate
+    # that a drill can kill).
+    import sys
+
+    backend = FaultyBackend()
+    backend.delay_s = float(sys.argv[2])
+    uvicorn.run(backend.app, host="127.0.0.1", port=int(sys.argv[1]), log_level="error")

@@ -62,9 +62,10 @@ def test_wrong_types_and_unsupported_fields_are_400(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
     assert r.json()["error"]["type"] == "invalid_request_error"
     r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                              "response_format": {"type": "json_object"}})
+                                              "response_format": {"type": "xml"}})
     assert r.status_code == 400
-    assert r.json() == error("response_format", "response_format of type 'json_object' is not supported yet")
+    assert r.json() == error("response_format", "response_format type must be 'text', 'json_object' or "
+                             "'json_schema', got 'xml'")
     r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": []})
     assert r.status_code == 400 and r.json() == error("messages", "messages must not be empty")
     r = post(server, "/v1/completions", {"model": MODEL, "prompt": ""})

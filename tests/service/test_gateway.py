@@ -16,6 +16,7 @@ from faulty_backend import FaultyBackend, ThreadServer
 from live_server import Server, metric_samples
 
 from tandem.gateway.app import build_gateway_app
+from tandem.gateway.canary import sticky_point
 from tandem.gateway.config import BackendConfig, CanaryConfig, FallbackConfig, GateConfig, GatewayConfig, ShadowConfig
 from tandem.gateway.proxy import Gateway
 
@@ -30,8 +31,9 @@ def servers(stories_dir, tmp_path_factory):
     candidate = Server(stories_dir, logs / "candidate.log", "--api-key", CANDIDATE_KEY, "--served-model-name",
                        "stories-next", "--max-model-len", "256")
     try:
-        primary.wait_healthy()
-        candidate.wait_healthy()
+        # NOTE: on a loaded 2-core machine the front ends take minutes to import; the default 120 s is short
+        primary.wait_healthy(600)
+        candidate.wait_healthy(600)
         yield primary, candidate
     finally:
         primary.stop()
@@ -183,20 +185,38 @@ def test_breaker_opens_and_half_open_probe_closes(servers, faulty):
             kinds[-1] == "candidate: half_open -> closed"
 
 
+def test_no_first_byte_in_time_falls_back_within_the_retry_budget(servers, faulty):
+    faulty.mode = "stall"
+    config = _config(servers[0].url, _faulty_candidate(faulty), canary=CanaryConfig(weight=1.0),
+                     fallback=FallbackConfig(first_byte_timeout_s=0.3, retry_ratio=0.0, min_retries=1))
+    with Running(config) as gw:
+        assert gw.complete()[0] == "primary"  # the stalled candidate timed out before its first byte
+        with pytest.raises(openai.APIStatusError) as e:  # the budget (1 retry) is spent: no second fallback
+            gw.complete()
+        assert e.value.status_code == 504 and e.value.body["code"] == "timeout"
+        m = metric_samples(gw.url)
+        assert m[("tandem_gateway_attempt_failures_total", (("backend", "candidate"), ("reason", "timeout")))] == 2
+        assert m[("tandem_gateway_retry_budget_exhausted_total", ())] == 1
+        faulty.release_shadows()
+
+
 @pytest.mark.parametrize("fault", ["error", "slow"])
 def test_planted_regression_rolls_back(servers, faulty, fault):
-    faulty.mode, faulty.delay_s = ("error", 0.0) if fault == "error" else ("ok", 0.15)
+    faulty.mode, faulty.delay_s = ("error", 0.0) if fault == "error" else ("ok", 0.25)
     gates = GateConfig(min_requests=4, max_error_rate=0.2, max_latency_ratio=2.0)
     config = _config(servers[0].url, _faulty_candidate(faulty), canary=CanaryConfig(weight=0.5), gates=gates,
                      fallback=FallbackConfig(breaker_failures=100))
     with Running(config) as gw:
-        for _ in range(4):  # primary latency samples first
-            gw.client.completions.create(model="stories", prompt="x", max_tokens=4, stream=True,
-                                         extra_headers={"x-session-id": "p"}).close()
-        for i in range(40):
+        # sticky keys that the split sends to each side (sticky_point < weight: the candidate)
+        keys = [f"u{i}" for i in range(200)]
+        to_primary = [k for k in keys if sticky_point(k) >= 0.5][:4]
+        to_candidate = [k for k in keys if sticky_point(k) < 0.5]
+        for key in to_primary:  # the primary's latency samples first
+            list(gw.client.completions.create(model="stories", prompt="x", max_tokens=4, stream=True, user=key))
+        for key in to_candidate[:8]:
             if gw.status()["canary"]["rolled_back"]:
                 break
-            list(gw.client.completions.create(model="stories", prompt="x", max_tokens=4, stream=True, user=f"u{i}"))
+            list(gw.client.completions.create(model="stories", prompt="x", max_tokens=4, stream=True, user=key))
         status = gw.status()
         assert status["canary"]["rolled_back"] and status["canary"]["weights"]["candidate"] == 0
         reason = status["canary"]["rollback_reason"]
@@ -249,3 +269,88 @@ def test_status_page_renders_weights_in_headless_chromium(faulty, tmp_path):
     # the live refresh ran in the browser and redrew one row per backend
     assert "refreshed live at 20" in dom and "rendered by the server" not in dom
     assert dom.count("<tr><td>primary</td><td>closed</td>") == 1 and dom.count("<tr><td>candidate</td>") == 1
+
+
+def test_drill_measures_fallback_when_the_candidate_is_killed(servers, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from live_server import free_port
+
+    from tandem.cli import main
+    from tandem.gateway.drill import DrillConfig, run_drill
+
+    port = free_port()
+    script = Path(__file__).with_name("faulty_backend.py")
+    candidate = subprocess.Popen([sys.executable, str(script), str(port), "0.1"])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.get(f"{url}/v1/models", timeout=1)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline and candidate.poll() is None
+                time.sleep(0.1)
+        config = _config(servers[0].url, BackendConfig("candidate", url, FAULTY_KEY, {"stories": "faulty"}),
+                         canary=CanaryConfig(weight=1.0), fallback=FallbackConfig(breaker_failures=2))
+        with Running(config) as gw:
+            assert main(["drill", "--gateway", gw.url, "--candidate-stop", "true", "--dry-run"]) == 0
+            report = run_drill(DrillConfig(gateway=gw.url, stop_command=f"kill -9 {candidate.pid}", model="stories",
+                                           api_key=GW_KEY, rate=10, warmup_s=1.0, observe_s=1.5, max_tokens=2))
+    finally:
+        candidate.kill()
+        candidate.wait()
+    assert report["stop_exit_code"] == 0 and report["candidate_down_after_s"] is not None
+    # NOTE: requests still waiting for their first byte at the kill fell back to the primary
+    assert report["before_stop"]["served_by"]["candidate"] >= 1
+    assert report["recovered"] and 0 <= report["fallback_time_s"] < 1.5
+    assert report["after_stop"]["lost"] == 0 and report["after_stop"]["served_by"] == {
+        "primary": report["after_stop"]["requests"]}
+    flight = report["in_flight_at_stop"]
+    # a killed backend's streams end with the gateway's error event; none is left hanging
+    assert flight["count"] >= 1 and flight["completed"] + flight["ended_with_error_event"] == flight["count"]
+    assert report["requests_lost"] == report["before_stop"]["lost"] == flight["ended_with_error_event"]
+    cont = report["continuity"]
+    assert cont["scrape_failures"] == 0 and cont["requests_counter_monotonic"] and cont["event_log_gaps"] == []
+    assert "candidate: closed -> open" in [e["message"] for e in cont["events"]]
+
+
+def test_compare_builtin_set_between_two_tandem_servers(servers, tmp_path):
+    from tandem.cli import main
+
+    out = tmp_path / "report"
+    code = main(["compare", "--a", servers[0].url, "--api-key-a", PRIMARY_KEY, "--b", servers[1].url,
+                 "--api-key-b", CANDIDATE_KEY, "--output-dir", str(out)])
+    report = json.loads((out / "compare.json").read_text())
+    assert (report["a"]["model"], report["b"]["model"]) == ("stories", "stories-next")
+    assert report["max_model_len"] == {"a": 512, "b": 256}
+    cases = {c["name"]: c for c in report["cases"]}
+    assert {"stop_string", "streaming_split", "tool_call", "json_schema", "long_input_near_limit", "empty_prompt",
+            "unicode", "n2_seeded", "logprobs", "fail_input_over_limit"} <= set(cases)
+    for c in report["cases"]:
+        if c["expect_status"] is not None:
+            assert c["a"]["status"] == c["b"]["status"] == c["expect_status"], c["name"]
+    assert cases["long_input_near_limit"]["b"]["status"] == 200  # sized for the smaller limit (256)
+    assert cases["logprobs"]["a"]["status"] == 200 and len(cases["n2_seeded"]["a"]["texts"]) == 2
+    # same weights, greedy or seeded: no difference, no noise, every check passed
+    assert report["summary"]["diverged_rate"] == 0 and report["summary"]["noise_rate"] == 0
+    assert report["summary"]["failed_checks"] == 0 and code == 0
+    assert "<table>" in (out / "compare.html").read_text() and "| stop_string | 200 | 200 |" in (
+        out / "compare.md").read_text()
+    assert PRIMARY_KEY not in (out / "compare.json").read_text()
+
+
+def test_compare_reports_a_planted_difference(servers, faulty, tmp_path):
+    from tandem.cli import main
+
+    prompts = tmp_path / "cases.jsonl"
+    prompts.write_text('{"name": "story", "prompt": "Once upon a time", "max_tokens": 3}\n')
+    code = main(["compare", "--a", servers[0].url, "--api-key-a", PRIMARY_KEY, "--b", faulty.url,
+                 "--prompts", str(prompts), "--output-dir", str(tmp_path / "r")])
+    report = json.loads((tmp_path / "r" / "compare.json").read_text())
+    # the scripted backend's text and prompt token count are not stories260K's
+    assert code == 1 and [d["tier"] for d in report["cases"][0]["diffs_beyond_noise"]] == ["text", "usage"]
+    assert report["summary"]["tiers"]["text"] == {"divergence_rate": 1.0, "noise_rate": 0.0, "beyond_noise_rate": 1.0}

@@ -171,3 +171,22 @@ def test_noise_baseline_subtracts_tiers_the_primary_disagrees_with_itself_on():
     assert report["tiers"]["text"]["beyond_noise_rate"] == pytest.approx(1 / 3)
     with pytest.raises(ValueError, match="2 candidate comparisons but 3"):
         divergence_report(signal[:2], noise)
+
+
+def test_builtin_regression_set_sizes_long_inputs_from_the_limits(tmp_path):
+    from tandem.gateway.regression import FILLER, builtin_cases, load_cases
+
+    cases = {c.name: c for c in builtin_cases(256, 8.0, largest_model_len=512)}
+    assert len(cases["long_input_near_limit"].body["prompt"]) == len(FILLER) * (int(240 / 8) - 2)
+    assert len(cases["fail_input_over_limit"].body["prompt"]) == len(FILLER) * (int(768 / 8) + 1)
+    assert cases["fail_input_over_limit"].expect_status == 400 and cases["fail_unknown_model"].expect_status == 404
+    assert "long_input_near_limit" not in {c.name for c in builtin_cases(None, None)}
+    assert cases["streaming_split"].same_text_as == "stop_length"
+    path = tmp_path / "cases.jsonl"
+    path.write_text('{"prompt": "hi"}\n\n{"name": "c", "messages": [{"role": "user", "content": "x"}]}\n')
+    loaded = load_cases(str(path))
+    assert [(c.name, c.endpoint, c.body["max_tokens"]) for c in loaded] == [
+        ("line1", "completions", 16), ("c", "chat/completions", 16)]
+    path.write_text('{"oops": 1}\n')
+    with pytest.raises(ValueError, match="needs body, prompt or messages"):
+        load_cases(str(path))

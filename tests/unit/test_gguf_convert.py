@@ -297,9 +297,7 @@ def test_block_quantized_tensors_dequantize_within_format_error(tmp_path, bpe, q
 
 
 def encode_q4_k(rng: np.random.Generator, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
-    """Random Q4_K blocks (144 bytes per 256 values) and their values, from ggml's `block_q4_K` layout:
-    f16 d, f16 dmin, 12 bytes of 6-bit (scale, min) pairs for 8 sub-blocks, 128 bytes of 4-bit quants;
-    value = d * scale_j * q - dmin * min_j (ggml-quants.c `dequantize_row_q4_K`, `get_scale_min_k4`)."""
+    """Random Q4_K blocks (144 bytes per 256 values) and their values (``pack_q4_k``)."""
     n = rows * cols // 256
     d, dmin = rng.uniform(1e-3, 1e-2, (2, n)).astype(np.float16)
     sc, mn = rng.integers(0, 64, (2, n, 8))
@@ -308,6 +306,15 @@ def encode_q4_k(rng: np.random.Generator, rows: int, cols: int) -> tuple[np.ndar
         d.astype(np.float32)[:, None, None] * sc[..., None] * q
         - dmin.astype(np.float32)[:, None, None] * mn[..., None]
     )
+    return pack_q4_k(d, dmin, sc, mn, q).reshape(rows, -1), values.reshape(rows, cols).astype(np.float32)
+
+
+def pack_q4_k(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, mn: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Q4_K blocks ``[n, 144]`` from fp16 ``d, dmin [n]``, 6-bit ``sc, mn [n, 8]`` and 4-bit ``q [n, 8, 32]``,
+    ggml's `block_q4_K` layout: f16 d, f16 dmin, 12 bytes of 6-bit (scale, min) pairs for 8 sub-blocks, 128
+    bytes of 4-bit quants; value = d * scale_j * q - dmin * min_j (ggml-quants.c `dequantize_row_q4_K`,
+    `get_scale_min_k4`)."""
+    n = d.shape[0]
     scales = np.concatenate(
         [
             sc[:, :4] | (sc[:, 4:] >> 4) << 6,
@@ -320,19 +327,24 @@ def encode_q4_k(rng: np.random.Generator, rows: int, cols: int) -> tuple[np.ndar
     blocks = np.concatenate(
         [d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), scales, qs], axis=1
     )
-    return blocks.astype(np.uint8).reshape(rows, -1), values.reshape(rows, cols).astype(np.float32)
+    return blocks.astype(np.uint8)
 
 
 def encode_q6_k(rng: np.random.Generator, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
-    """Random Q6_K blocks (210 bytes per 256 values) and their values, from ggml's `block_q6_K` layout:
-    128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scales, f16 d;
-    value i = d * scale[i // 16] * (q_i - 32)
-    (ggml-quants.c `dequantize_row_q6_K`)."""
+    """Random Q6_K blocks (210 bytes per 256 values) and their values (``pack_q6_k``)."""
     n = rows * cols // 256
     d = rng.uniform(1e-4, 1e-3, n).astype(np.float16)
     sc = rng.integers(-128, 128, (n, 16))
     q = rng.integers(0, 64, (n, 256))
     values = d.astype(np.float32)[:, None] * np.repeat(sc, 16, axis=1) * (q - 32)
+    return pack_q6_k(d, sc, q).reshape(rows, -1), values.reshape(rows, cols).astype(np.float32)
+
+
+def pack_q6_k(d: np.ndarray, sc: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Q6_K blocks ``[n, 210]`` from fp16 ``d [n]``, int8 ``sc [n, 16]`` and 6-bit ``q [n, 256]``, ggml's
+    `block_q6_K` layout: 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scales, f16 d;
+    value i = d * scale[i // 16] * (q_i - 32) (ggml-quants.c `dequantize_row_q6_K`)."""
+    n = d.shape[0]
     h = q.reshape(n, 2, 4, 32)  # value 128 * half + 32 * k + l
     ql = np.concatenate(
         [(h[:, :, 0] & 0xF) | (h[:, :, 2] & 0xF) << 4, (h[:, :, 1] & 0xF) | (h[:, :, 3] & 0xF) << 4], axis=2
@@ -347,7 +359,7 @@ def encode_q6_k(rng: np.random.Generator, rows: int, cols: int) -> tuple[np.ndar
         ],
         axis=1,
     )
-    return blocks.astype(np.uint8).reshape(rows, -1), values.reshape(rows, cols).astype(np.float32)
+    return blocks.astype(np.uint8)
 
 
 def test_k_quant_tensors_dequantize_to_ggml_reference_values(tmp_path, bpe):
@@ -363,7 +375,7 @@ def test_k_quant_tensors_dequantize_to_ggml_reference_values(tmp_path, bpe):
         "model.layers.0.mlp.up_proj.weight": (up, Q.Q4_K),
         "model.layers.0.mlp.down_proj.weight": (down, Q.Q6_K),
     }
-    _, loaded = round_trip(tmp_path, model, bpe, "llama", raw=raw)
+    _, loaded = round_trip(tmp_path, model, bpe, "llama", keep_quantized=False, raw=raw)
     np.testing.assert_allclose(
         loaded.model.layers[0].mlp.up_proj.weight.detach().numpy(), up_values, rtol=1e-6, atol=1e-7
     )

@@ -4,7 +4,7 @@ Tiny random llama (tied LM head) and qwen2 (untied) models are written as GGUF l
 (helpers of test_gguf_convert.py), converted twice (codes kept; everything dequantized) and loaded by
 Tandem. Checked: the modules hold the file's exact codes (Q/K rows un-permuted), logits match the
 dequantize-everything path (float32: same weights, measured equal; bf16: within the bounds stated in the test),
-greedy tokens are equal, mixed fused projections fall back to float, and ``--quantization`` keeps them.
+greedy tokens are equal, mixed fused projections keep each format's codes, and ``--quantization`` keeps them.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from tandem import LLM, SamplingParams
 from tandem.config import CacheConfig, EngineConfig, ModelConfig
 from tandem.kernels import registry
 from tandem.models.gguf_convert import QUANTIZED_KEY, convert_gguf
-from tandem.models.layers import Linear
-from tandem.models.quant import QuantizedLinear, dequantize_weight
+from tandem.models.quant import ConcatLinear, QuantizedLinear, dequantize_weight
 from tandem.worker.model_runner import ModelRunner
 
 FORMATS = {Q.Q8_0: "q8_0", Q.Q4_0: "int4", Q.Q4_1: "q4_1"}
@@ -148,8 +147,8 @@ def test_logits_and_greedy_tokens_match_the_dequantized_path(tmp_path, bpe, arch
     assert greedy(kept) == reference and len(reference) == 12
 
 
-def test_mixed_fused_projection_is_dequantized_and_quantization_keeps_file_codes(tmp_path, bpe):  # noqa: F811
-    """q_proj in Q8_0 and k/v in Q4_0: qkv_proj is float (from both formats); others stay Q4_0."""
+def test_mixed_fused_projection_keeps_each_formats_codes_and_quantization_keeps_file_codes(tmp_path, bpe):  # noqa: F811
+    """q_proj in Q8_0 and k/v in Q4_0: qkv_proj is a ConcatLinear of a q8_0 and an int4 part; others stay Q4_0."""
     model = tiny_model("llama")
     heads = model.config.num_attention_heads
     raw = {
@@ -163,15 +162,19 @@ def test_mixed_fused_projection_is_dequantized_and_quantization_keeps_file_codes
     assert modules["model.layers.0.self_attn.q_proj"] == "q8_0" and modules["model.layers.0.self_attn.k_proj"] == "int4"
     loaded = runner(kept, "float32").model
     qkv = loaded.model.layers[0].self_attn.qkv_proj
-    assert type(qkv) is Linear and isinstance(loaded.model.layers[0].self_attn.o_proj, QuantizedLinear)
-    reference = runner(dequantized, "float32").model.model.layers[0].self_attn.qkv_proj.weight
-    assert torch.equal(qkv.weight, reference)
+    assert isinstance(qkv, ConcatLinear) and [p.method for p in qkv.parts] == ["q8_0", "int4"]
+    assert [p.shard_names for p in qkv.parts] == [("q_proj",), ("k_proj", "v_proj")]
+    assert isinstance(loaded.model.layers[0].self_attn.o_proj, QuantizedLinear)
+    reference = runner(dequantized, "float32").model.model.layers[0].self_attn.qkv_proj
+    assert torch.equal(torch.cat([p.dequantized(torch.float32) for p in qkv.parts]), reference.weight)
+    x = torch.randn(3, reference.weight.shape[1])
+    torch.testing.assert_close(qkv(x), reference(x), rtol=1e-5, atol=1e-5)
 
     # --quantization on top: layers quantized in the file keep their codes, float ones are quantized.
     quantized = runner(kept, quantization="int8").model
     layer = quantized.model.layers[0]
-    assert layer.self_attn.qkv_proj.method == "int8" and layer.self_attn.o_proj.method == "int4"
-    assert quantized.lm_head.method == "int4"
+    assert [p.method for p in layer.self_attn.qkv_proj.parts] == ["q8_0", "int4"]
+    assert layer.self_attn.o_proj.method == "int4" and quantized.lm_head.method == "int4"
     file_o = runner(kept).model.model.layers[0].self_attn.o_proj
     assert torch.equal(layer.self_attn.o_proj.qweight, file_o.qweight)
     assert torch.equal(dequantize_weight("int4", file_o.qweight, file_o.scale),

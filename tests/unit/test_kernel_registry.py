@@ -66,10 +66,28 @@ def test_variant_unsupported_reason_uses_cpu_flags(monkeypatch) -> None:
 
 def test_avx512_limits_are_kept(fake_variant) -> None:
     fake_variant("avx512_bf16")
-    for op in ("linear_bf16", "linear_int8", "linear_int4", "linear_q8_0", "linear_q4_1", "decoder_layer_bf16"):
+    for op in ("linear_bf16", "linear_int8", "linear_int4", "linear_q8_0", "linear_q4_1", "decoder_layer"):
         assert registry.use(op, tokens=16) and not registry.use(op, tokens=17), op
     assert registry.max_tokens("paged_attention") == 16
     assert registry.use("dequantize_q4_1", tokens=4096) and registry.use("rms_norm")
+
+
+def test_gguf_k_quant_linears_run_on_avx2_from_avx512(monkeypatch) -> None:
+    """The avx2-only operators are routed from avx512_bf16 to the avx2 build, where they take any M;
+    without an avx2 build they run on torch."""
+    avx512, avx2 = types.SimpleNamespace(linear_bf16=object()), types.SimpleNamespace(linear_q4_k=object())
+    monkeypatch.setattr(build, "selected_variant", lambda: "avx512_bf16")
+    monkeypatch.setattr(build, "load_variant", lambda variant: {"avx512_bf16": avx512, "avx2": avx2}[variant])
+    registry.cache_clear()
+    try:
+        assert registry.backend_for("linear_q4_k") == "avx2" and registry.use("linear_q4_k", tokens=4096)
+        assert registry.backend_for("linear_q6_k") == "torch"  # not in this fake avx2 build
+        assert not {"linear_q4_k", "linear_q6_k"} & set(registry.missing_ops())  # not avx512_bf16's own ops
+        monkeypatch.setattr(build, "load_variant", lambda variant: avx512 if variant == "avx512_bf16" else None)
+        registry.cache_clear()
+        assert registry.backend_for("linear_q4_k") == "torch" and not registry.use("linear_q4_k", tokens=1)
+    finally:
+        registry.cache_clear()
 
 
 def test_avx2_linears_take_any_token_count(fake_variant) -> None:

@@ -215,3 +215,21 @@ def test_duplicate_id_and_too_long_prompt_are_typed_errors():
         sched.add_request(make_request("b", 40))
     assert (long.value.num_tokens, long.value.max_model_len, long.value.code) == (40, 32, "context_length_exceeded")
     assert isinstance(long.value, ValueError)
+
+
+def test_lease_expiry_heap_follows_renewals_and_releases():
+    from tandem.kv_cache.leases import LeaseTable
+
+    now = [0.0]
+    table = LeaseTable(10.0, lambda: now[0])
+    for i in range(5):
+        now[0] = float(i)
+        table.add(f"l{i}", [])  # expires at i + 10
+    table.renew("l0")  # now 4: expires at 14
+    table.pop("l1")  # released: its heap entry is stale
+    now[0] = 12.5
+    assert table.expired_ids() == ["l2"]  # l0 was renewed, l1 released, l3/l4 not due
+    table.pop("l2")
+    now[0] = 14.0
+    assert table.expired_ids() == ["l3", "l0", "l4"]  # soonest first (ties by id), each once
+    assert table.expired_ids() == []

@@ -209,4 +209,8 @@ def test_empty_layer_shapes_and_bad_formats() -> None:
     with pytest.raises(ValueError, match="multiple of 32"):
         QuantizedLinear.empty("q8_0", 40, [8], False, torch.bfloat16)
     with pytest.raises(ValueError, match="must be one of"):
-        QuantizedLinear.empty("q5_0", 64, [8], False, torch.bfloat16)
+        QuantizedLinear.empty("q5_1", 64, [8], False, torch.bfloat16)
+    k_quant = QuantizedLinear.empty("q4_k", 512, [8], False, torch.bfloat16)  # 2 blocks of 144 bytes: 4 + 140
+    assert k_quant.qweight.shape == (8, 280) and k_quant.scale.shape == (8, 2, 2)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        QuantizedLinear.empty("q6_k", 288, [8], False, torch.bfloat16)

@@ -19,13 +19,12 @@ at::Tensor dequantize_q8_0(at::Tensor qweight, at::Tensor scale);
 at::Tensor dequantize_q4_1(at::Tensor qweight, at::Tensor scale);
 void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
-std::tuple<at::Tensor, at::Tensor> decoder_layer_bf16(
+std::tuple<at::Tensor, at::Tensor> decoder_layer(
     at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor input_norm, at::Tensor post_norm, double eps,
-    at::Tensor qkv_w, c10::optional<at::Tensor> qkv_b, at::Tensor o_w, c10::optional<at::Tensor> o_b,
-    at::Tensor gate_up_w, c10::optional<at::Tensor> gate_up_b, at::Tensor down_w, c10::optional<at::Tensor> down_b,
-    at::Tensor cos, at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
-    at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, int64_t num_heads,
-    int64_t num_kv_heads, double scale, int64_t max_query_len);
+    std::vector<int64_t> kinds, std::vector<at::Tensor> weights, std::vector<c10::optional<at::Tensor>> scales,
+    std::vector<c10::optional<at::Tensor>> biases, at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
+    at::Tensor v_cache, at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
+    at::Tensor query_start_loc, int64_t num_heads, int64_t num_kv_heads, double scale, int64_t max_query_len);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "y = x @ w.T (+ bias), bf16, AVX-512 BF16", py::arg("x"), py::arg("w"),
@@ -50,5 +49,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_q4_1", &dequantize_q4_1, "bf16 weight of a q4_1 layer");
   m.def("rotary_", &rotary_, "in-place rotate-half rotary embedding of [T, H, D] (any token stride)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "in place: residual += x; x = rms_norm(residual)");
-  m.def("decoder_layer_bf16", &decoder_layer_bf16, "a whole bf16 pre-norm decoder layer at decode sizes");
+  m.def("decoder_layer", &decoder_layer, "a whole pre-norm decoder layer (bf16 or quantized linears) at decode sizes");
 }

@@ -17,7 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]");
   m.def("moe_bf16", &moe_bf16, "fused mixture-of-experts SwiGLU feed-forward, bf16 experts [E, 2I, H] / [E, H, I]",
         py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("weights"), py::arg("ids"));
-  m.def("decoder_layer_bf16", &decoder_layer_bf16, "a whole bf16 pre-norm decoder layer at decode sizes");
+  m.def("decoder_layer", &decoder_layer, "a whole pre-norm decoder layer (bf16 or quantized linears) at decode sizes");
   // Linear kernels (linear_bf16.cpp, linear_quant.cpp): any M, batch invariant; quantized formats
   // quantize the activations to int8 per block of 32 (llama.cpp's AVX2 path).
   m.def("linear_bf16", &linear_bf16, "y = x @ w.T (+ bias), bf16, fp32 FMA", py::arg("x"), py::arg("w"),
@@ -29,6 +29,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_q8_0", &linear_q8_0, "y = x @ (q * scale).T (+ bias), GGUF Q8_0 weights", py::arg("x"),
         py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none());
   m.def("linear_q4_1", &linear_q4_1, "y = x @ (u * d + m).T (+ bias), GGUF Q4_1 weights", py::arg("x"),
+        py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none());
+  // linear_kquant.cpp: GGUF Q5_0 (q8_0 activations) and Q4_K / Q6_K (q8_K activations, blocks of 256)
+  m.def("linear_q5_0", &linear_q5_0, "y = x @ dequant(w).T (+ bias), GGUF Q5_0 weights", py::arg("x"),
+        py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none());
+  m.def("linear_q4_k", &linear_q4_k, "y = x @ dequant(w).T (+ bias), GGUF Q4_K weights", py::arg("x"),
+        py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none());
+  m.def("linear_q6_k", &linear_q6_k, "y = x @ dequant(w).T (+ bias), GGUF Q6_K weights", py::arg("x"),
         py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none());
   m.def("dequantize", &dequantize, "bf16 weight of an int8 or int4 layer", py::arg("qweight"), py::arg("scale"));
   m.def("dequantize_q8_0", &dequantize_q8_0, "bf16 weight of a q8_0 layer", py::arg("qweight"), py::arg("scale"));

@@ -30,14 +30,18 @@ at::Tensor dequantize(at::Tensor qweight, at::Tensor scale);
 at::Tensor dequantize_q8_0(at::Tensor qweight, at::Tensor scale);
 at::Tensor dequantize_q4_1(at::Tensor qweight, at::Tensor scale);
 
+// linear_kquant.cpp: GGUF Q5_0 / Q4_K / Q6_K blocks (tandem/models/gguf_blocks.py)
+at::Tensor linear_q5_0(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::optional<at::Tensor> bias);
+at::Tensor linear_q4_k(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::optional<at::Tensor> bias);
+at::Tensor linear_q6_k(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::optional<at::Tensor> bias);
+
 // moe.cpp
 at::Tensor moe_bf16(at::Tensor x, at::Tensor w13, at::Tensor w2, at::Tensor weights, at::Tensor ids);
 
 // ../decoder_layer.cpp (ISA-independent: calls the functions above)
-std::tuple<at::Tensor, at::Tensor> decoder_layer_bf16(
+std::tuple<at::Tensor, at::Tensor> decoder_layer(
     at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor input_norm, at::Tensor post_norm, double eps,
-    at::Tensor qkv_w, c10::optional<at::Tensor> qkv_b, at::Tensor o_w, c10::optional<at::Tensor> o_b,
-    at::Tensor gate_up_w, c10::optional<at::Tensor> gate_up_b, at::Tensor down_w, c10::optional<at::Tensor> down_b,
-    at::Tensor cos, at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping,
-    at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start_loc, int64_t num_heads,
-    int64_t num_kv_heads, double scale, int64_t max_query_len);
+    std::vector<int64_t> kinds, std::vector<at::Tensor> weights, std::vector<c10::optional<at::Tensor>> scales,
+    std::vector<c10::optional<at::Tensor>> biases, at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
+    at::Tensor v_cache, at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
+    at::Tensor query_start_loc, int64_t num_heads, int64_t num_kv_heads, double scale, int64_t max_query_len);

@@ -1,0 +1,162 @@
+"""KV transfer throughput of the P/D connector against a raw TCP socket copy of the same bytes.
+
+Two engines in this process (a prefill engine with ``kv_role`` kv_producer, a decode engine's runner
+with a ``KVPuller``) on loopback: the prefill engine computes a long prompt once (its blocks held
+under a lease), then the decode side pulls those blocks ``--repeats`` times (layer by layer, zero-copy
+frames, written into its own cache) while the prefill engine serves between its steps. The same
+number of bytes then goes through a plain TCP socket (``sendall`` from a thread, ``recv_into`` a
+preallocated buffer). Both are timed side by side in one run; the ratio is the figure of merit.
+
+    python benchmarks/disagg_bench.py --model default --prompt-tokens 2000 --repeats 5 [--synthetic]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from tandem.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
+from tandem.disagg.consumer import KVPuller, PullJob
+from tandem.disagg.identity import kv_identity
+from tandem.engine.core import EngineCore
+from tandem.models.resolve import resolve_model_path
+from tandem.request import Request
+from tandem.sampling_params import SamplingParams
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prefill_engine(model: Path, dtype: str, num_blocks: int) -> EngineCore:
+    config = EngineConfig(model=ModelConfig(model=str(model), dtype=dtype), cache=CacheConfig(num_blocks=num_blocks),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=512),
+                          kv_transfer=KVTransferConfig(kv_role="kv_producer", kv_port=free_port(), lease_ttl_s=600))
+    return EngineCore(model, config, progress=False)
+
+
+def prefill(core: EngineCore, num_tokens: int) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    vocab = core.runner.hf_config.vocab_size
+    prompt = [(13 * i + 7) % (vocab - 10) + 5 for i in range(num_tokens)]
+    core.add_request(Request("bench", prompt, params, max_tokens=1))
+    while True:
+        for out in core.step():
+            if out.finish_reason is not None:
+                return out.kv_transfer_params
+
+
+def hold_blocks(core: EngineCore, num_tokens: int) -> dict:
+    """``--synthetic``: blocks for ``num_tokens`` allocated and held under a lease without a forward pass
+    (their bytes are whatever the cache holds; a transfer moves them the same), as a prefill leg would."""
+    kv = core.scheduler.kv_cache_manager
+    request = Request("synthetic", list(range(num_tokens)), SamplingParams(max_tokens=1), max_tokens=1)
+    kv.allocate_slots(request, num_tokens)
+    block_ids = kv.hold(request, "bench-lease")
+    config = core.kv_connector.config
+    return {"remote_block_ids": block_ids, "remote_block_generations": kv.block_generations(block_ids),
+            "remote_host": config.kv_ip, "remote_port": config.kv_port, "remote_lease_id": "bench-lease"}
+
+
+def pull_times(producer: EngineCore, puller: KVPuller, params: dict, repeats: int) -> tuple[list[float], int]:
+    blocks = params["remote_block_ids"]
+    job = PullJob("bench", params["remote_host"], params["remote_port"], params["remote_lease_id"], blocks,
+                  params["remote_block_generations"], list(range(len(blocks))))
+    seconds, num_bytes = [], 0
+    for i in range(repeats + 1):  # NOTE: the first pull also connects and handshakes: not timed
+        puller.submit(job)
+        results = []
+        while not results:
+            producer.step()
+            puller.wake.poll(1)  # NOTE: as the engine loop does: wait (GIL released) instead of spinning
+            results = puller.results()
+        if results[0].error:
+            raise SystemExit(f"pull failed: {results[0].error}")
+        if i:
+            seconds.append(results[0].seconds)
+            num_bytes = results[0].num_bytes
+    return seconds, num_bytes
+
+
+def raw_socket_times(num_bytes: int, repeats: int) -> list[float]:
+    """Seconds to move ``num_bytes`` over one connected loopback TCP socket, per repeat (the connection
+    and the sender thread exist before the clock starts, as the KV puller's connection does)."""
+    payload = os.urandom(1 << 20) * (num_bytes >> 20) + os.urandom(num_bytes & ((1 << 20) - 1))
+    sink = memoryview(bytearray(num_bytes))
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    conn, _ = server.accept()
+    go = threading.Semaphore(0)
+
+    def send() -> None:
+        for _ in range(repeats):
+            go.acquire()
+            client.sendall(payload)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        go.release()
+        got = 0
+        while got < num_bytes:
+            n = conn.recv_into(sink[got:], num_bytes - got)
+            if n == 0:
+                raise SystemExit("raw socket closed early")
+            got += n
+        seconds.append(time.perf_counter() - t0)
+    sender.join()
+    for sock in (conn, client, server):
+        sock.close()
+    return seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a model folder")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--prompt-tokens", type=int, default=2000)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--synthetic", action="store_true",
+                    help="hold blocks for --prompt-tokens without computing them (no prefill forward pass)")
+    ap.add_argument("--output", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    model = resolve_model_path(None if args.model == "default" else args.model)
+    num_blocks = args.prompt_tokens // 16 + 8
+    producer = prefill_engine(model, args.dtype, num_blocks)
+    t0 = time.perf_counter()
+    params = hold_blocks(producer, args.prompt_tokens) if args.synthetic else prefill(producer, args.prompt_tokens)
+    prefill_s = time.perf_counter() - t0
+    consumer = EngineCore(model, EngineConfig(model=ModelConfig(model=str(model), dtype=args.dtype),
+                                              cache=CacheConfig(num_blocks=num_blocks)), progress=False)
+    puller = KVPuller(producer.kv_connector.ctx, kv_identity(consumer.runner), None, consumer.runner.kv_cache_groups,
+                      timeout_s=60)
+    try:
+        pull_s, num_bytes = pull_times(producer, puller, params, args.repeats)
+    finally:
+        puller.close()
+        producer.close()
+    raw_s = raw_socket_times(num_bytes, args.repeats)
+    pull_gbs = num_bytes / statistics.median(pull_s) / 1e9
+    raw_gbs = num_bytes / statistics.median(raw_s) / 1e9
+    result = {"model": str(model), "dtype": args.dtype, "prompt_tokens": args.prompt_tokens,
+              "blocks": len(params["remote_block_ids"]), "bytes": num_bytes, "prefill_s": round(prefill_s, 3),
+              "pull_s_median": statistics.median(pull_s), "raw_socket_s_median": statistics.median(raw_s),
+              "pull_GBps": round(pull_gbs, 3), "raw_socket_GBps": round(raw_gbs, 3),
+              "ratio": round(pull_gbs / raw_gbs, 3), "loadavg": os.getloadavg()}
+    print(json.dumps(result, indent=2))
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Structured output with llguidance: grammars compiled off the engine loop, applied as token masks.
+
+The grammar text of a request comes from ``structured_outputs.grammar_text`` (checked at the edge).
+``GrammarCompiler`` builds the per-request matchers in a thread pool, cached by grammar text;
+``Grammar`` is one request's matcher: the sampler asks it for a token bitmask, the runner feeds it
+the accepted tokens. Algorithm and API: llguidance (https://github.com/guidance-ai/llguidance), an
+Earley parser over a lexer of the tokenizer's trie; a mask costs tens of microseconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+from tandem.sampling_params import StructuredOutputsParams
+from tandem.structured_outputs import grammar_text
+
+logger = logging.getLogger(__name__)
+
+MAX_CACHED_GRAMMARS = 256  # compiled matchers kept per compiler (LRU), keyed by grammar text
+
+
+def make_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> llguidance.LLTokenizer:
+    """llguidance's view of a fast HF tokenizer: ``vocab_size`` = the model's logits width (ids past
+    the tokenizer's own are never allowed), the model's EOS ids allowed wherever the grammar is complete.
+
+    Raises:
+        ValueError: a slow (non-``tokenizers``) tokenizer.
+    """
+    eos = sorted(eos_token_ids) or None
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
+
+
+class Grammar:
+    """One request's matcher (llguidance ``LLMatcher``): which tokens may come next, and the tokens so far.
+
+    ``accept`` advances it over sampled tokens; an invalid token (never sampled under its mask) puts
+    it in an error state where only EOS is allowed, which ends the request. ``is_stopped``: only EOS
+    may follow (the text is complete and cannot grow).
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+
+    def accept(self, token_ids: list[int]) -> None:
+        """Consumes ``token_ids`` (changes the matcher's state; logs if one was not allowed). Tokens after
+        the grammar stopped (the EOS that ends the request) are not fed to it."""
+        for token in token_ids:
+            if self.matcher.is_stopped():
+                return
+            if not self.matcher.consume_token(token):
+                logger.warning("a token outside the grammar was accepted: %s", self.matcher.get_error())
+                return
+
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many leading ``token_ids`` the grammar allows from here. Changes nothing."""
+        return self.matcher.validate_tokens(token_ids) if token_ids else 0
+
+    def is_stopped(self) -> bool:
+        return self.matcher.is_stopped()
+
+
+def fill_bitmask(grammars: list[Grammar], bitmask: torch.Tensor, drafts: list[list[int]] | None = None) -> None:
+    """Writes each grammar's allowed-token bitmask into ``bitmask [rows, ceil(V / 32)]`` int32.
+
+    Without ``drafts`` grammar i fills row i. With ``drafts`` grammar i fills ``1 + len(drafts[i])``
+    consecutive rows: the mask now, then after each draft token while the drafts stay valid (the
+    matcher is advanced over them, then rolled back); rows after an invalid draft keep their content
+    (that draft is masked out, so verification rejects it and never reads them).
+    Changes: ``bitmask`` only (matchers end where they started).
+    """
+    row = 0
+    for i, grammar in enumerate(grammars):
+        matcher = grammar.matcher
+        row_drafts = drafts[i] if drafts is not None else []
+        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
+        consumed = 0
+        for token in row_drafts:
+            if matcher.validate_tokens([token]) != 1 or not matcher.consume_token(token):
+                break
+            consumed += 1
+            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row + consumed)
+        if consumed:
+            matcher.rollback(consumed)
+        row += 1 + len(row_drafts)
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """``[rows, ceil(vocab_size / 32)]`` int32, all bits set (every token allowed)."""
+    return torch.full(llguidance.torch.get_bitmask_shape(rows, vocab_size), -1, dtype=torch.int32)
+
+
+class GrammarCompiler:
+    """Compiles request grammars in a background thread, keeping the last ``MAX_CACHED_GRAMMARS``.
+
+    Args:
+        load_tokenizer: returns the model's HF tokenizer (called once, in the compile thread).
+        vocab_size: the model's logits width.
+        num_threads: compile threads (llguidance drops the GIL while it builds a lexer).
+
+    ``submit`` returns at once; the future's ``done()`` is the request's readiness check, so the
+    scheduler admits the request only once its grammar is built and never waits for it.
+    """
+
+    def __init__(self, load_tokenizer: Any, vocab_size: int, num_threads: int = 1) -> None:
+        self._load_tokenizer = load_tokenizer
+        self.vocab_size = vocab_size
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tandem-grammar")
+        self._tokenizers: dict[frozenset[int], llguidance.LLTokenizer] = {}
+        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_compiled = 0
+        self.num_cache_hits = 0
+
+    def submit(self, params: StructuredOutputsParams, eos_token_ids: frozenset[int]) -> Future[Grammar]:
+        """Starts building a fresh ``Grammar`` for ``params``. Changes: the cache (in the thread)."""
+        return self._pool.submit(self._build, params, eos_token_ids)
+
+    def _build(self, params: StructuredOutputsParams, eos_token_ids: frozenset[int]) -> Grammar:
+        text = grammar_text(params)
+        key = f"{sorted(eos_token_ids)}:{text}"
+        with self._lock:
+            template = self._cache.get(key)
+            if template is not None:
+                self._cache.move_to_end(key)
+                self.num_cache_hits += 1
+                return Grammar(template.deep_copy())
+        matcher = llguidance.LLMatcher(self._tokenizer(eos_token_ids), text, log_level=0)
+        if matcher.is_error():
+            # NOTE: the edge checked this grammar; a failure here leaves a matcher that allows only EOS.
+            logger.error("grammar failed to build: %s", matcher.get_error())
+            return Grammar(matcher)
+        with self._lock:
+            self._cache[key] = matcher.deep_copy()
+            self.num_compiled += 1
+            while len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        return Grammar(matcher)
+
+    def _tokenizer(self, eos_token_ids: frozenset[int]) -> llguidance.LLTokenizer:
+        tokenizer = self._tokenizers.get(eos_token_ids)
+        if tokenizer is None:
+            tokenizer = make_tokenizer(self._load_tokenizer(), self.vocab_size, eos_token_ids)
+            self._tokenizers[eos_token_ids] = tokenizer
+        return tokenizer
+
+    def shutdown(self) -> None:
+        """Stops the compile threads (pending builds are cancelled)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,46 @@
+"""Structured output in the offline API: greedy output under a grammar is the same with and without
+speculation (n-gram and a draft model) and inside a mixed batch; a bad schema raises before anything
+is queued."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tandem import LLM, SamplingParams, StructuredOutputsParams
+from tandem.sampling_params import SamplingParamsError
+
+SCHEMA = {"type": "object", "properties": {"who": {"type": "string", "maxLength": 10},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["who", "n"], "additionalProperties": False}
+PROMPTS = ['Once upon a time {"who": "Lily", "n": 3} and {"who": "Tom", "n": 5}', "The dog"]
+
+
+def greedy(schema: dict) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=schema))
+
+
+@pytest.fixture(scope="module")
+def plain(stories_dir):
+    return LLM(str(stories_dir), dtype="float32", progress=False, num_threads=1)
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3},
+                                  {"method": "draft", "num_speculative_tokens": 3, "speculative_model": "ar"}])
+def test_greedy_grammar_output_does_not_depend_on_speculation_or_batch(plain, stories_dir, spec):
+    if "speculative_model" in spec:
+        spec = {**spec, "speculative_model": str(stories_dir.parent / "drafts" / "ar")}
+    expected = [o.outputs[0].text for o in plain.generate(PROMPTS, greedy(SCHEMA))]
+    for text in expected:
+        assert set(json.loads(text)) == {"who", "n"}
+    speculating = LLM(str(stories_dir), dtype="float32", progress=False, num_threads=1, speculative_config=spec)
+    mixed = speculating.generate(PROMPTS + ["Once"], [greedy(SCHEMA), greedy(SCHEMA), SamplingParams(max_tokens=20)])
+    assert [o.outputs[0].text for o in mixed[:2]] == expected
+    assert mixed[0].outputs[0].num_draft_tokens > 0
+
+
+def test_unsupported_schema_raises_before_queueing(plain):
+    with pytest.raises(SamplingParamsError, match=r'Unimplemented keys: \["uniqueItems"\]'):
+        plain.generate("Once", [greedy({"type": "array", "uniqueItems": True})])
+    assert not plain.engine.has_unfinished_requests()

@@ -1,0 +1,179 @@
+"""P/D disaggregation between two live servers on loopback: vLLM's kv_transfer_params exchange spoken by
+a test client, the `tandem router --prefill --decode` proxy, client disconnects in both legs, a dead
+prefill server. The decode server answering a plain body is the co-located reference."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from live_server import ROOT, Server, free_port
+
+PROMPT = "Once upon a time there was a little girl named Lily. She loved to play outside in the park"
+GREEDY = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+
+
+def kv_config(role: str, port: int, **extra: object) -> str:
+    return json.dumps({"kv_connector": "TandemConnector", "kv_role": role, "kv_port": port, **extra})
+
+
+@pytest.fixture(scope="module")
+def pd(stories_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("pd")
+    prefill = Server(stories_dir, logs / "prefill.log", "--kv-transfer-config",
+                     kv_config("kv_producer", free_port(), lease_ttl_s=3.0))
+    decode = Server(stories_dir, logs / "decode.log", "--kv-transfer-config",
+                    kv_config("kv_consumer", free_port(), prefill_failure_policy="fail", transfer_timeout_s=1.0))
+    port = free_port()
+    router = subprocess.Popen([sys.executable, "-m", "tandem.cli", "router", "--prefill", prefill.url, "--decode",
+                               decode.url, "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=open(logs / "router.log", "w"))  # noqa: SIM115
+    try:
+        prefill.wait_healthy(600)  # NOTE: three processes importing at once on a loaded shared machine
+        decode.wait_healthy(600)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield prefill, decode, url
+    finally:
+        router.terminate()
+        router.wait(10)
+        prefill.stop()
+        decode.stop()
+
+
+def colocated(decode: Server, prompt: str) -> str:
+    answer = httpx.post(decode.url + "/v1/completions", json={"prompt": prompt, **GREEDY}, timeout=60)
+    assert answer.status_code == 200 and answer.json()["kv_transfer_params"] is None
+    return answer.json()["choices"][0]["text"]
+
+
+def test_vllm_kv_transfer_params_exchange(pd):
+    prefill, decode, _ = pd
+    prompt = PROMPT + " with her dog"
+    body = {"prompt": prompt, **GREEDY}
+    leg = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
+        "remote_host": None, "remote_port": None}}
+    answer = httpx.post(prefill.url + "/v1/completions", json=leg, timeout=60)
+    assert answer.status_code == 200
+    params = answer.json()["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert {"remote_engine_id", "remote_block_ids", "remote_host", "remote_port"} <= set(params)
+    assert params["remote_host"] == "127.0.0.1" and len(params["remote_block_ids"]) > 0
+    client = openai.OpenAI(base_url=decode.url + "/v1", api_key="none")
+    stream = client.completions.create(model=decode.model, prompt=prompt, stream=True, temperature=0.0,
+                                       max_tokens=12, extra_body={"ignore_eos": True, "kv_transfer_params": params})
+    text = "".join(c.choices[0].text for c in stream if c.choices)
+    pulls = [line for line in httpx.get(decode.url + "/metrics").text.splitlines()
+             if line.startswith("tandem:kv_transfer_pulls_total")]
+    assert pulls and float(pulls[0].split()[-1]) >= 1
+    assert text == colocated(decode, prompt)  # NOTE: after the pull, so the decode side had nothing cached
+
+
+def test_router_pairs_prefill_and_decode(pd):
+    prefill, decode, url = pd
+    prompt = "The sun was shining and the birds were singing in the tall green trees near the river"
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    out = client.completions.create(model=decode.model, prompt=prompt, temperature=0.0, max_tokens=12,
+                                    extra_body={"ignore_eos": True})
+    expected = colocated(decode, prompt)
+    assert out.choices[0].text == expected
+    stream = client.completions.create(model=decode.model, prompt=prompt, temperature=0.0, max_tokens=12,
+                                       stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in stream if c.choices) == expected
+    assert httpx.get(url + "/backends").json()["num_disaggregated"] >= 2
+
+
+def test_role_checks_are_400(pd):
+    prefill, decode, _ = pd
+    answer = httpx.post(decode.url + "/v1/completions", timeout=30, json={
+        "prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    assert answer.status_code == 400 and "kv_producer" in answer.json()["error"]["message"]
+    answer = httpx.post(decode.url + "/v1/completions", timeout=30, json={
+        "prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": {"do_remote_prefill": True}})
+    assert answer.status_code == 400 and "remote_block_ids" in answer.json()["error"]["message"]
+
+
+async def _disconnecting_client(url: str, i: int, rng: random.Random) -> None:
+    body = {"prompt": f"{PROMPT} number {i}", "temperature": 0.0, "max_tokens": 30, "ignore_eos": True,
+            "stream": True}
+    async with httpx.AsyncClient(timeout=60) as client:
+        try:
+            async with asyncio.timeout(rng.uniform(0.0, 1.0)):
+                async with client.stream("POST", url + "/v1/completions", json=body) as answer:
+                    async for _ in answer.aiter_bytes():
+                        pass
+        except TimeoutError:
+            pass  # NOTE: the client went away, in the prefill leg or while the decode leg streamed
+
+
+def test_random_client_disconnects_leave_no_kv_on_either_side(pd):
+    prefill, decode, url = pd
+    rng = random.Random(7)
+
+    async def main() -> None:
+        await asyncio.gather(*(_disconnecting_client(url, i, rng) for i in range(24)))
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 20  # NOTE: held leases expire within lease_ttl_s (3 s)
+    loads = []
+    while time.monotonic() < deadline:
+        loads = [httpx.get(s.url + "/load").json() for s in (prefill, decode)]
+        if all(load["kv_cache_usage"] == 0 and load["running"] == 0 for load in loads):
+            break
+        time.sleep(0.3)
+    assert all(load["kv_cache_usage"] == 0 for load in loads), json.dumps(loads)
+
+
+def test_dead_prefill_server_gives_a_clean_503(pd):
+    prefill, decode, _ = pd
+    leg = {"prompt": PROMPT + " again", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    params = httpx.post(prefill.url + "/v1/completions", json=leg, timeout=60).json()["kv_transfer_params"]
+    core = prefill.core_process()
+    prefill.proc.kill()  # NOTE: the whole prefill server: its front end and its engine core (the KV server)
+    core.kill()
+    prefill.proc.wait(10)
+    answer = httpx.post(decode.url + "/v1/completions", timeout=60, json={
+        "prompt": PROMPT + " again", **GREEDY, "kv_transfer_params": params})
+    assert answer.status_code == 503
+    error = answer.json()["error"]
+    assert error["code"] == "kv_transfer_failed" and "sent nothing for 1 s" in error["message"]
+    assert httpx.get(decode.url + "/load").json()["kv_cache_usage"] == 0
+
+
+def test_serve_disaggregate_on_one_machine(pd, stories_dir, tmp_path):
+    _, decode, _ = pd
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve", "--disaggregate", "--model", str(stories_dir),
+                             "--dtype", "float32", "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=open(tmp_path / "disaggregate.log", "w"))  # noqa: SIM115
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600  # NOTE: two servers importing at once on a loaded shared machine
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        prompt = "A small red bird sat on the branch and sang a happy song for the children below"
+        answer = httpx.post(url + "/v1/completions", json={"prompt": prompt, **GREEDY}, timeout=60)
+        assert answer.status_code == 200, (tmp_path / "disaggregate.log").read_text()
+        assert answer.json()["kv_transfer_params"]["remote_prefill"] == "pulled"
+        assert answer.json()["choices"][0]["text"] == colocated(decode, prompt)
+    finally:
+        proc.terminate()
+        assert proc.wait(60) == 0
