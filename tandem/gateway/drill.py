@@ -201,7 +201,7 @@ async def _run(c: DrillConfig) -> dict[str, Any]:
         if scraper.last_status is None:
             raise ValueError(f"{c.url}/gateway/status did not answer: is it a tandem gateway?")
         before = scraper.last_status
-        model = c.model or (await client.get(f"{c.url}/v1/models", headers=_auth(c))).json()["data"][0]["id"]
+        model = c.model or await first_model(client, c)
         bench = BenchConfig(base_url=c.url, model=model, api_key=c.api_key, timeout=c.timeout_s, disable_tqdm=True)
         done: list[tuple[RequestResult, float]] = []
         start = time.perf_counter()
@@ -237,6 +237,19 @@ async def _run(c: DrillConfig) -> dict[str, Any]:
         "gateway_after": {"canary": after["canary"]["weights"], "breakers": _breakers(after),
                           "rolled_back": after["canary"]["rolled_back"]},
     }
+
+
+async def first_model(client: httpx.AsyncClient, c: DrillConfig) -> str:
+    """The first model id of the gateway's /v1/models. Raises ValueError when the gateway refuses
+    the key (401/403: pass --api-key) or answers anything but a model list."""
+    r = await client.get(f"{c.url}/v1/models", headers=_auth(c))
+    if r.status_code in (401, 403):
+        hint = "the key given by --api-key was refused" if c.api_key else "it needs a key: pass --api-key"
+        raise ValueError(f"{c.url}/v1/models answered {r.status_code}: {hint} (or $TANDEM_GATEWAY_API_KEY)")
+    try:
+        return r.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise ValueError(f"{c.url}/v1/models answered {r.status_code} without a model list; pass --model") from e
 
 
 def _auth(c: DrillConfig) -> dict[str, str]:
