@@ -6,6 +6,10 @@ Recorded: Tandem's version and git commit (with a dirty flag), Python, the insta
 / `KMP_*` variables, CPU model, flags and core counts (online and allowed), memory, the kernel path
 (the server's `/version` `kernel_backend` when it tells, else this machine's selection), and SHA-256
 of the model and tokenizer files found at the given local paths.
+
+Secrets are not recorded: the value of a flag, and of a variable, whose name has a word
+key/keys/apikey/secret/token/password/passwd (split at `-` / `_`, any case; `--api-key`,
+`TANDEM_KV_SECRET`, but not `--max-tokens`) is stored as `***`; the names stay.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import hashlib
 import importlib.metadata
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +28,8 @@ import httpx
 import psutil
 
 _ENV_PREFIXES = ("TANDEM_", "OMP_", "MKL_", "KMP_")
+_SECRET_WORDS = frozenset({"key", "keys", "apikey", "secret", "secrets", "token", "password", "passwd"})
+REDACTED = "***"
 _MODEL_SUFFIXES = (".safetensors", ".gguf", ".bin", ".json", ".model", ".txt", ".jinja")
 # Differences in these keys make two results' numbers not comparable (pip and flags are listed apart).
 COMPARED_KEYS = ("tandem_version", "git_commit", "git_dirty", "python", "cpu_model", "cpu_count",
@@ -84,6 +91,27 @@ def server_kernel_backend(base_url: str | None, headers: dict[str, str] | None =
         return None
 
 
+def is_secret_name(name: str) -> bool:
+    """True when a flag or variable name has a secret word (see the module docstring)."""
+    return any(w in _SECRET_WORDS for w in re.split(r"[-_]+", name.lower().lstrip("-")))
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """The command line with the values of secret flags (`--api-key X`, `--api-key=X`) as `***`."""
+    out: list[str] = []
+    hide_next = False
+    for arg in argv:
+        flag, eq, _ = arg.partition("=")
+        if hide_next and not arg.startswith("--"):
+            out.append(REDACTED)
+        elif arg.startswith("--") and eq and is_secret_name(flag):
+            out.append(f"{flag}={REDACTED}")
+        else:
+            out.append(arg)
+        hide_next = arg.startswith("--") and not eq and is_secret_name(arg)
+    return out
+
+
 def collect_environment(argv: list[str] | None = None, model_paths: list[str | None] | None = None,
                         base_url: str | None = None, headers: dict[str, str] | None = None) -> dict[str, Any]:
     """The environment document stored under `environment` in a saved result."""
@@ -102,8 +130,9 @@ def collect_environment(argv: list[str] | None = None, model_paths: list[str | N
     return {
         "tandem_version": tandem.__version__, "git_commit": _git(["rev-parse", "HEAD"]),
         "git_dirty": bool(_git(["status", "--porcelain", "--untracked-files=no"])),
-        "python": sys.version.split()[0], "platform": platform.platform(), "argv": list(argv or sys.argv),
-        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_ENV_PREFIXES)},
+        "python": sys.version.split()[0], "platform": platform.platform(), "argv": redact_argv(list(argv or sys.argv)),
+        "env": {k: REDACTED if is_secret_name(k) else v for k, v in sorted(os.environ.items())
+                if k.startswith(_ENV_PREFIXES)},
         **cpu_info(), "memory_bytes": psutil.virtual_memory().total, "kernel_backend": kernel,
         "model_files": model_file_hashes(model_paths or []), "pip_freeze": pip,
     }

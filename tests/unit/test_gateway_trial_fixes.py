@@ -36,3 +36,19 @@ def test_drill_without_key_on_a_keyed_gateway_is_a_clear_error(monkeypatch, caps
     # Right key but no models listed: a clear error too, not an IndexError.
     assert main(["drill", "--gateway", "http://gw", "--candidate-stop", "true", "--api-key", "right"]) == 2
     assert "without a model list; pass --model" in capsys.readouterr().err
+
+
+def test_bench_environment_redacts_secret_flags_and_variables(monkeypatch):
+    from tandem.bench.environment import collect_environment
+
+    monkeypatch.setenv("TANDEM_KV_SECRET", "s3cret")
+    monkeypatch.setenv("TANDEM_GATEWAY_API_KEY", "ka")
+    monkeypatch.setenv("TANDEM_MAX_TOKENS", "16")
+    argv = ["tandem", "bench", "serve", "--api-key", "ka", "--hf-token=hf_x", "--max-tokens", "16",
+            "--tokenizer", "t", "--db-password", "--model", "m"]
+    env = collect_environment(argv)
+    assert env["argv"] == ["tandem", "bench", "serve", "--api-key", "***", "--hf-token=***", "--max-tokens", "16",
+                           "--tokenizer", "t", "--db-password", "--model", "m"]
+    assert env["env"]["TANDEM_KV_SECRET"] == "***" and env["env"]["TANDEM_GATEWAY_API_KEY"] == "***"
+    assert env["env"]["TANDEM_MAX_TOKENS"] == "16"
+    assert "s3cret" not in repr(env) and "hf_x" not in repr(env)
