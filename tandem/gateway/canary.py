@@ -102,10 +102,12 @@ class CanaryController:
         for name in (PRIMARY, CANDIDATE):
             mine = [o for o in self.outcomes if o.backend == name]
             errors = sum(not o.ok for o in mine)
+            ttfts = [o.ttft_s for o in mine if o.ok and o.ttft_s is not None]
+            tpots = [o.tpot_s for o in mine if o.ok and o.tpot_s is not None]
             stats[name] = {
                 "requests": len(mine), "errors": errors, "error_rate": errors / len(mine) if mine else None,
-                "p95_ttft_s": _p95([o.ttft_s for o in mine if o.ok and o.ttft_s is not None]),
-                "p95_tpot_s": _p95([o.tpot_s for o in mine if o.ok and o.tpot_s is not None]),
+                "p95_ttft_s": _p95(ttfts), "p95_tpot_s": _p95(tpots),
+                "ttft_samples": len(ttfts), "tpot_samples": len(tpots),
             }
         n = len(self.comparisons)
         diverged = sum(d for _, d in self.comparisons)
@@ -119,9 +121,10 @@ class CanaryController:
             if cand["error_rate"] > g.max_error_rate:
                 return f"candidate error rate {cand['error_rate']:.1%} > {g.max_error_rate:.1%} " \
                        f"({cand['errors']}/{cand['requests']} in {g.window_s:g} s)"
-            for key, label in (("p95_ttft_s", "p95 TTFT"), ("p95_tpot_s", "p95 TPOT")):
-                c, p = cand[key], prim[key]
-                if c is not None and p is not None and p > 0 and c > g.max_latency_ratio * p:
+            for key, label in (("ttft", "p95 TTFT"), ("tpot", "p95 TPOT")):
+                c, p = cand[f"p95_{key}_s"], prim[f"p95_{key}_s"]
+                enough = min(cand[f"{key}_samples"], prim[f"{key}_samples"]) >= g.min_latency_samples
+                if enough and p > 0 and c > g.max_latency_ratio * p:
                     return f"candidate {label} {c * 1000:.1f} ms > {g.max_latency_ratio:g} x primary {p * 1000:.1f} ms"
         shadow = stats["shadow"]
         if shadow["comparisons"] >= g.min_comparisons and shadow["divergence_rate"] > g.max_divergence_rate:
@@ -158,5 +161,6 @@ class CanaryController:
             "gates": {"window_s": self.gates.window_s, "min_requests": self.gates.min_requests,
                       "max_error_rate": self.gates.max_error_rate,
                       "max_latency_ratio": self.gates.max_latency_ratio,
+                      "min_latency_samples": self.gates.min_latency_samples,
                       "max_divergence_rate": self.gates.max_divergence_rate, "enabled": self.gates.enabled},
         }

@@ -20,7 +20,8 @@ class Capture:
     """One answer. status: HTTP status (None: no response, `error` says why); body: the parsed JSON
     of a non-streamed answer or error; events: the SSE data objects of a stream (kept only when
     asked); done: `data: [DONE]` was seen; chunks: SSE data events that carried choices; ttft_s /
-    latency_s: from the request's start to the first content chunk / the end (seconds)."""
+    latency_s: from the request's start to the first content chunk / the end (seconds; ttft_s is
+    None for a non-streamed answer)."""
 
     status: int | None = None
     stream: bool = False
@@ -113,7 +114,8 @@ class StreamTap:
 
 
 def capture_body(status: int, raw: bytes, start: float) -> Capture:
-    """A Capture of a whole (non-streamed) answer; a body that is not JSON is kept as text."""
+    """A Capture of a whole (non-streamed) answer; a body that is not JSON is kept as text. Its
+    ttft_s stays None: the first token's time is not seen, and the whole latency is not a TTFT."""
     try:
         body: Any = json.loads(raw) if raw else None
     except ValueError:
@@ -121,4 +123,4 @@ def capture_body(status: int, raw: bytes, start: float) -> Capture:
     usage = body.get("usage") if isinstance(body, dict) else None
     elapsed = time.perf_counter() - start
     return Capture(status=status, body=body, usage=usage if isinstance(usage, dict) else None,
-                   ttft_s=elapsed if status == 200 else None, latency_s=elapsed)
+                   latency_s=elapsed)

@@ -7,7 +7,15 @@ import dataclasses
 import os
 from typing import Any
 
-from tandem.gateway.config import CANDIDATE, PRIMARY, BackendConfig, CanaryStep, GatewayConfig, config_from_mapping
+from tandem.gateway.config import (
+    CANDIDATE,
+    PRIMARY,
+    BackendConfig,
+    CanaryStep,
+    GateConfig,
+    GatewayConfig,
+    config_from_mapping,
+)
 
 
 def _parse_map(items: list[str] | None, flag: str) -> dict[str, str]:
@@ -31,6 +39,26 @@ def parse_steps(spec: str | None) -> tuple[CanaryStep, ...]:
             raise ValueError(f"--canary-steps items are WEIGHT:HOLD_SECONDS, got {item!r}")
         steps.append(CanaryStep(float(weight), float(hold)))
     return tuple(steps)
+
+
+# --gate-* flag -> GateConfig field, type, help
+GATE_FLAGS = (
+    ("window", "window_s", float, "seconds of the sliding window the gates look at (default 60)"),
+    ("min-requests", "min_requests", int, "candidate requests in the window before any gate (default 10)"),
+    ("max-error-rate", "max_error_rate", float, "candidate error rate that rolls back (default 0.05)"),
+    ("max-latency-ratio", "max_latency_ratio", float,
+     "candidate p95 TTFT/TPOT over this x the primary's rolls back (default 2)"),
+    ("min-latency-samples", "min_latency_samples", int,
+     "streamed answers needed on each side before the latency gate (default 30)"),
+    ("max-divergence-rate", "max_divergence_rate", float, "shadow divergence rate that rolls back (default 0.2)"),
+)
+
+
+def _gates_from_args(gates: GateConfig, args: argparse.Namespace) -> GateConfig:
+    given = {f: getattr(args, f"gate_{f}") for _, f, _, _ in GATE_FLAGS if getattr(args, f"gate_{f}") is not None}
+    if args.no_gates:
+        given["enabled"] = False
+    return dataclasses.replace(gates, **given)
 
 
 def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -65,6 +93,7 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         shadow = dataclasses.replace(shadow, keep_samples=True)
     return dataclasses.replace(
         config, primary=primary, candidate=candidate, canary=canary, shadow=shadow,
+        gates=_gates_from_args(config.gates, args),
         api_key=args.api_key if args.api_key is not None else config.api_key,
         host=args.host or config.host, port=args.port or config.port,
     )
@@ -100,6 +129,9 @@ def _add_gateway(sub: Any) -> None:
                    help="promotion ladder, e.g. 0.05:300,0.25:600,1:0 (weight:hold seconds)")
     g.add_argument("--sticky-header", default=None, help="header pinning a client to one side (default "
                    "x-session-id; else the body's user field)")
+    for flag, fieldname, kind, text in GATE_FLAGS:
+        g.add_argument(f"--gate-{flag}", dest=f"gate_{fieldname}", type=kind, default=None, help=text)
+    g.add_argument("--no-gates", action="store_true", help="never roll back (canary steps still promote)")
     g.add_argument("--shadow-fraction", type=float, default=None, help="share of primary traffic mirrored")
     g.add_argument("--shadow-keep-samples", action="store_true",
                    help="keep redacted prompt/answer samples of divergences (default: hashes and lengths only)")

@@ -78,13 +78,16 @@ class CanaryConfig:
 class GateConfig:
     """Rollback gates, evaluated over the last `window_s` seconds once the candidate has served
     `min_requests` there. A gate fails when the candidate's error rate exceeds `max_error_rate`,
-    its p95 TTFT or TPOT exceeds `max_latency_ratio` x the primary's, or the shadow divergence rate
-    exceeds `max_divergence_rate` (checked once `min_comparisons` comparisons are in the window)."""
+    its p95 TTFT or TPOT exceeds `max_latency_ratio` x the primary's (checked only once both sides
+    have `min_latency_samples` streamed answers in the window: a non-streamed answer has no TTFT),
+    or the shadow divergence rate exceeds `max_divergence_rate` (checked once `min_comparisons`
+    comparisons are in the window). `enabled: false` turns every gate off (steps still promote)."""
 
     window_s: float = 60.0
     min_requests: int = 10
     max_error_rate: float = 0.05
-    max_latency_ratio: float = 1.5
+    max_latency_ratio: float = 2.0
+    min_latency_samples: int = 30
     max_divergence_rate: float = 0.2
     min_comparisons: int = 10
     enabled: bool = True
@@ -94,8 +97,8 @@ class GateConfig:
         _fraction("max error rate", self.max_error_rate)
         _fraction("max divergence rate", self.max_divergence_rate)
         _positive("max latency ratio", self.max_latency_ratio)
-        if self.min_requests < 1 or self.min_comparisons < 1:
-            raise ValueError("gate min_requests and min_comparisons must be >= 1")
+        if self.min_requests < 1 or self.min_comparisons < 1 or self.min_latency_samples < 1:
+            raise ValueError("gate min_requests, min_comparisons and min_latency_samples must be >= 1")
 
 
 @dataclass(frozen=True)

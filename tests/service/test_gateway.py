@@ -203,7 +203,7 @@ def test_no_first_byte_in_time_falls_back_within_the_retry_budget(servers, fault
 @pytest.mark.parametrize("fault", ["error", "slow"])
 def test_planted_regression_rolls_back(servers, faulty, fault):
     faulty.mode, faulty.delay_s = ("error", 0.0) if fault == "error" else ("ok", 0.25)
-    gates = GateConfig(min_requests=4, max_error_rate=0.2, max_latency_ratio=2.0)
+    gates = GateConfig(min_requests=4, max_error_rate=0.2, max_latency_ratio=2.0, min_latency_samples=4)
     config = _config(servers[0].url, _faulty_candidate(faulty), canary=CanaryConfig(weight=0.5), gates=gates,
                      fallback=FallbackConfig(breaker_failures=100))
     with Running(config) as gw:

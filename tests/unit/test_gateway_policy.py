@@ -78,7 +78,8 @@ def test_steps_promote_after_their_hold_and_gates_roll_back():
 
 def test_latency_and_divergence_gates():
     clock = Clock()
-    gates = GateConfig(min_requests=2, max_latency_ratio=2.0, min_comparisons=2, max_divergence_rate=0.4)
+    gates = GateConfig(min_requests=2, max_latency_ratio=2.0, min_comparisons=2, max_divergence_rate=0.4,
+                       min_latency_samples=2)
     c = CanaryController(CanaryConfig(weight=0.5), gates, True, clock)
     for ttft in (0.010, 0.012):
         c.record(Outcome(0, "primary", True, ttft, 0.005))

@@ -52,3 +52,34 @@ def test_bench_environment_redacts_secret_flags_and_variables(monkeypatch):
     assert env["env"]["TANDEM_KV_SECRET"] == "***" and env["env"]["TANDEM_GATEWAY_API_KEY"] == "***"
     assert env["env"]["TANDEM_MAX_TOKENS"] == "16"
     assert "s3cret" not in repr(env) and "hf_x" not in repr(env)
+
+
+def test_non_streamed_answers_have_no_ttft_and_latency_gates_need_samples():
+    from tandem.gateway.canary import CanaryController, Outcome
+    from tandem.gateway.capture import capture_body
+    from tandem.gateway.config import CanaryConfig, GateConfig
+
+    assert capture_body(200, b'{"choices": []}', 0.0).ttft_s is None
+    c = CanaryController(CanaryConfig(weight=0.3), GateConfig(), True, lambda: 0.0)
+    # The trial's case: 10 candidate answers, p95 about 2 x the primary's: too few samples to judge.
+    for i in range(10):
+        c.record(Outcome(0, "primary", True, 0.040, 0.01))
+        c.record(Outcome(0, "candidate", True, 0.088 if i == 9 else 0.040, 0.01))
+    assert not c.rolled_back and c.weight == 0.3
+    for _ in range(30):  # enough samples on both sides, and really 3 x slower: rolls back
+        c.record(Outcome(0, "primary", True, 0.040, 0.01))
+        c.record(Outcome(0, "candidate", True, 0.120, 0.01))
+    assert c.rolled_back and c.rollback_reason.startswith("candidate p95 TTFT 120.0 ms > 2 x primary 40.0 ms")
+
+
+def test_gate_flags_override_the_yaml_file(tmp_path):
+    from tandem.cli import build_parser
+    from tandem.gateway.cli import gateway_config_from_args
+
+    path = tmp_path / "gateway.yaml"
+    path.write_text("primary: 'http://a:1'\ncandidate: 'http://b:2'\ngates: {window_s: 30, min_requests: 5}\n")
+    args = build_parser().parse_args(["gateway", "--config", str(path), "--gate-min-latency-samples", "50",
+                                      "--gate-max-latency-ratio", "3", "--no-gates"])
+    g = gateway_config_from_args(args).gates
+    got = (g.window_s, g.min_requests, g.min_latency_samples, g.max_latency_ratio, g.enabled)
+    assert got == (30, 5, 50, 3.0, False)
