@@ -37,7 +37,10 @@ def parse_steps(spec: str | None) -> tuple[CanaryStep, ...]:
         weight, sep, hold = item.strip().partition(":")
         if not sep:
             raise ValueError(f"--canary-steps items are WEIGHT:HOLD_SECONDS, got {item!r}")
-        steps.append(CanaryStep(float(weight), float(hold)))
+        try:
+            steps.append(CanaryStep(float(weight), float(hold)))
+        except ValueError as e:
+            raise ValueError(f"--canary-steps item {item.strip()!r}: {e}") from e
     return tuple(steps)
 
 
@@ -67,8 +70,13 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
     if args.config:
         import yaml
 
-        with open(args.config, encoding="utf-8") as f:
-            base = yaml.safe_load(f) or {}
+        try:
+            with open(args.config, encoding="utf-8") as f:
+                base = yaml.safe_load(f) or {}
+        except OSError as e:
+            raise ValueError(f"--config {args.config}: cannot read it ({e.strerror or e})") from e
+        except yaml.YAMLError as e:
+            raise ValueError(f"--config {args.config}: not valid YAML: {' '.join(str(e).split())}") from e
         if not isinstance(base, dict):
             raise ValueError(f"{args.config}: expected a mapping at the top level")
     if args.primary:

@@ -8,6 +8,7 @@ fractions in [0, 1]. Every class validates itself in `__post_init__` and raises 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,15 +168,38 @@ class GatewayConfig:
         return [self.primary] + ([self.candidate] if self.candidate else [])
 
 
+_KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "float": ("a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool)),
+    "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "str | None": ("a string", lambda v: v is None or isinstance(v, str)),
+}
+
+
+def _check(where: str, kind: str, value: Any) -> None:
+    """Raises ValueError naming the setting when `value` is not of `kind` (a key of _KINDS)."""
+    label, ok = _KINDS[kind]
+    if not ok(value):
+        raise ValueError(f"{where}: expected {label}, got {value!r}")
+
+
+def _mapping(raw: Any, where: str, known: set[str]) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: expected a mapping, got {raw!r}")
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown} (known: {sorted(known)})")
+    return raw
+
+
 def _section(cls: type, raw: Any, where: str) -> Any:
     if raw is None:
         return cls()
-    if not isinstance(raw, dict):
-        raise ValueError(f"{where}: expected a mapping, got {type(raw).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - names)
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {unknown} (known: {sorted(names)})")
+    fields = {f.name: f.type for f in dataclasses.fields(cls)}
+    for key, value in _mapping(raw, where, set(fields)).items():
+        if fields[key] in _KINDS:
+            _check(f"{where}.{key}", fields[key], value)
     return cls(**raw)
 
 
@@ -184,33 +208,42 @@ def _backend(name: str, raw: Any) -> BackendConfig | None:
         return None
     if isinstance(raw, str):
         return BackendConfig(name, raw)
-    if not isinstance(raw, dict) or "url" not in raw:
-        raise ValueError(f"{name}: expected a URL or a mapping with url, api_key, model_map")
-    return BackendConfig(name=name, url=raw["url"], api_key=raw.get("api_key"),
-                         model_map=dict(raw.get("model_map") or {}))
+    raw = _mapping(raw, name, {"url", "api_key", "model_map"})
+    if "url" not in raw:
+        raise ValueError(f"{name}: url is required")
+    _check(f"{name}.url", "str", raw["url"])
+    _check(f"{name}.api_key", "str | None", raw.get("api_key"))
+    model_map = raw.get("model_map") or {}
+    if not isinstance(model_map, dict) or not all(isinstance(v, str) for v in (*model_map, *model_map.values())):
+        raise ValueError(f"{name}.model_map: expected a mapping of client model name -> {name} model name, "
+                         f"got {model_map!r}")
+    return BackendConfig(name=name, url=raw["url"], api_key=raw.get("api_key"), model_map=dict(model_map))
 
 
 def config_from_mapping(data: dict[str, Any]) -> GatewayConfig:
     """A GatewayConfig from a parsed YAML/JSON mapping with keys primary, candidate, api_key, host,
     port, canary (weight, steps: [{weight, hold_s}], sticky_header), gates, shadow, fallback.
 
-    Raises ValueError on an unknown key, a missing primary or a bad value.
+    Raises ValueError naming the setting on an unknown key, a missing primary or a bad value.
     """
     known = {"primary", "candidate", "api_key", "host", "port", "canary", "gates", "shadow", "fallback"}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"gateway config: unknown keys {unknown} (known: {sorted(known)})")
+    _mapping(data, "gateway config", known)
     primary = _backend(PRIMARY, data.get("primary"))
     if primary is None:
         raise ValueError("gateway config: a primary backend is required")
-    canary_raw = dict(data.get("canary") or {})
-    steps = tuple(_section(CanaryStep, s, "canary.steps[]") for s in canary_raw.pop("steps", None) or [])
+    for key, kind in (("api_key", "str | None"), ("host", "str"), ("port", "int")):
+        if key in data:
+            _check(key, kind, data[key])
+    canary_raw = dict(_mapping(data.get("canary") or {}, "canary", {f.name for f in dataclasses.fields(CanaryConfig)}))
+    raw_steps = canary_raw.pop("steps", None) or []
+    if not isinstance(raw_steps, list):
+        raise ValueError(f"canary.steps: expected a list of {{weight, hold_s}}, got {raw_steps!r}")
+    steps = tuple(_section(CanaryStep, s, f"canary.steps[{i}]") for i, s in enumerate(raw_steps))
     canary = _section(CanaryConfig, canary_raw, "canary")
     return GatewayConfig(
         primary=primary, candidate=_backend(CANDIDATE, data.get("candidate")), api_key=data.get("api_key"),
-        host=data.get("host", "127.0.0.1"), port=int(data.get("port", 8100)),
+        host=data.get("host", "127.0.0.1"), port=data.get("port", 8100),
         canary=dataclasses.replace(canary, steps=steps), gates=_section(GateConfig, data.get("gates"), "gates"),
         shadow=_section(ShadowConfig, data.get("shadow"), "shadow"),
         fallback=_section(FallbackConfig, data.get("fallback"), "fallback"),
     )
-

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import httpx
+import pytest
 
 from tandem.cli import main
 
@@ -98,3 +99,32 @@ def test_steps_promote_with_the_gates_disabled():
         c.record(Outcome(t, "candidate", False))  # errors only: a disabled gate never rolls back
         seen.append(c.weight)
     assert seen == [0.1, 0.5, 0.5, 1.0, 1.0] and c.promotions == 2 and not c.rolled_back
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("primary: [unclosed\n", "not valid YAML: while parsing"),
+    ("primary: 'http://a'\ncandidate: 'http://b'\ncanary: {weight: high}\n",
+     "canary.weight: expected a number, got 'high'"),
+    ("primary: {url: 5}\n", "primary.url: expected a string, got 5"),
+    ("primary: 'http://a'\ncandidate: {url: 'http://b', extra: 1}\n", "candidate: unknown keys ['extra']"),
+    ("primary: 'http://a'\nfallback: {breaker_failures: 2.5}\n",
+     "fallback.breaker_failures: expected an integer, got 2.5"),
+    ("primary: 'http://a'\nport: abc\n", "port: expected an integer, got 'abc'"),
+    ("primary: {url: 'http://a', model_map: [a]}\n", "primary.model_map: expected a mapping of client model name"),
+    ("primary: 'http://a'\ngates: {enabled: 'no'}\n", "gates.enabled: expected true or false, got 'no'"),
+    ("primary: 'http://a'\ncandidate: 'http://b'\ncanary: {steps: [{weight: 1, hold_s: x}]}\n",
+     "canary.steps[0].hold_s: expected a number, got 'x'"),
+])
+def test_config_file_errors_name_the_setting(tmp_path, capsys, text, message):
+    path = tmp_path / "gateway.yaml"
+    path.write_text(text)
+    assert main(["gateway", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_config_directory_and_bad_step_flag_are_one_line_errors(tmp_path, capsys):
+    assert main(["gateway", "--config", str(tmp_path)]) == 2
+    assert f"--config {tmp_path}: cannot read it (Is a directory)" in capsys.readouterr().err
+    assert main(["gateway", "--primary", "http://a", "--candidate", "http://b", "--canary-steps", "0.1:abc"]) == 2
+    assert "--canary-steps item '0.1:abc': could not convert string to float: 'abc'" in capsys.readouterr().err
