@@ -133,10 +133,11 @@ class CanaryController:
         return None
 
     def evaluate(self) -> None:
-        """Rolls back on a failed gate (weight 0, logged), else promotes a step whose hold is over."""
-        if self.rolled_back or not self.has_candidate or not self.gates.enabled:
+        """Rolls back on a failed gate (weight 0, logged), else promotes a step whose hold is over
+        (with the gates disabled steps promote on their holds alone)."""
+        if self.rolled_back or not self.has_candidate:
             return
-        reason = self.failed_gate(self.window_stats())
+        reason = self.failed_gate(self.window_stats()) if self.gates.enabled else None
         if reason is not None:
             self.rolled_back, self.rollback_reason, self.rollback_at = True, reason, self._clock()
             logger.warning("gateway: rollback to primary (candidate weight %.3f -> 0): %s", self.weight, reason)

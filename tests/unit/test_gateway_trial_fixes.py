@@ -83,3 +83,18 @@ def test_gate_flags_override_the_yaml_file(tmp_path):
     g = gateway_config_from_args(args).gates
     got = (g.window_s, g.min_requests, g.min_latency_samples, g.max_latency_ratio, g.enabled)
     assert got == (30, 5, 50, 3.0, False)
+
+
+def test_steps_promote_with_the_gates_disabled():
+    from tandem.gateway.canary import CanaryController, Outcome
+    from tandem.gateway.config import CanaryConfig, CanaryStep, GateConfig
+
+    now = [0.0]
+    steps = (CanaryStep(0.1, 3), CanaryStep(0.5, 3), CanaryStep(1.0, 0))
+    c = CanaryController(CanaryConfig(steps=steps), GateConfig(enabled=False, min_requests=1), True, lambda: now[0])
+    seen = []
+    for t in (1.0, 3.0, 4.0, 6.0, 9.0):
+        now[0] = t
+        c.record(Outcome(t, "candidate", False))  # errors only: a disabled gate never rolls back
+        seen.append(c.weight)
+    assert seen == [0.1, 0.5, 0.5, 1.0, 1.0] and c.promotions == 2 and not c.rolled_back
