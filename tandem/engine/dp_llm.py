@@ -89,8 +89,9 @@ class DataParallelLLM:
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         return self.first.tokenize(prompt)
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> tuple[str, list[int]]:
-        return self.first.render_chat(messages, add_generation_prompt)
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+        return self.first.render_chat(messages, add_generation_prompt, tools)
 
     def count_tokens(self, text_or_messages: str | list[dict[str, str]], add_special_tokens: bool = True,
                      add_generation_prompt: bool = True) -> list[int]:

@@ -248,7 +248,9 @@ class ChatMessage(OpenAIModel):
         if self.content is None:
             if not self.tool_calls:
                 raise SamplingParamsError("content must not be null", param)
-            text = None
+            # NOTE: "" rather than None: transformers drops None fields, and templates that read
+            # message.content (SmolLM2's, Llama's) then fail on an assistant turn holding only tool calls.
+            text = ""
         elif isinstance(self.content, str):
             text = self.content
         else:

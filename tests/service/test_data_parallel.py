@@ -21,9 +21,9 @@ PREFIXES = [" ".join(f"{w}{i}" for i in range(40)) for w in ("sun", "moon", "sta
 
 
 @pytest.fixture(scope="module")
-def dp_server(stories_dir, tmp_path_factory):
+def dp_server(stories_dir, chat_template_file, tmp_path_factory):
     s = Server(stories_dir, tmp_path_factory.mktemp("dp") / "server.log", "-dp", "2", "--instance-id", "dp-test",
-               "--served-model-name", MODEL)
+               "--served-model-name", MODEL, "--chat-template", str(chat_template_file))
     try:
         s.wait_healthy()
         yield s
@@ -88,6 +88,17 @@ def test_same_prefix_requests_stay_on_one_engine(dp_server, api_server):
     print(f"prefix cache hit rate: -dp 2 kv-aware {dp_rate:.3f}, one engine {single_rate:.3f}")
     assert single_rate > 0.5
     assert dp_rate >= single_rate - 0.1, (dp_rate, single_rate)
+
+
+def test_chat_completions_work_with_dp2(dp_server, api_server):
+    """The chat endpoint renders through the data-parallel engine (it once got a 500: a missing argument)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Once upon a time"}], "max_tokens": 8,
+            "temperature": 0}
+    dp = httpx.post(f"{dp_server.url}/v1/chat/completions", json=body, timeout=120)
+    single = httpx.post(f"{api_server.url}/v1/chat/completions", json=body, timeout=120,
+                        headers=AUTH)
+    assert dp.status_code == 200, dp.text
+    assert dp.json()["choices"][0]["message"]["content"] == single.json()["choices"][0]["message"]["content"]
 
 
 def test_a_closed_stream_is_aborted_on_the_engine_that_runs_it(dp_server):
