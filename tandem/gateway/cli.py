@@ -155,7 +155,8 @@ def _add_gateway(sub: Any) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    """Exit 0 when nothing differs beyond noise and every check passed, 1 otherwise."""
+    """Exit 0 when every case ran, nothing differs beyond noise and every check passed, 1 otherwise
+    (2: bad arguments or prompts file, a server that does not answer)."""
     import httpx
 
     from tandem.gateway.compare_run import Side, run_compare
@@ -175,7 +176,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print(markdown)
     print("wrote " + ", ".join(paths))
     s = report["summary"]
-    return 1 if s["cases_with_differences_beyond_noise"] or s["failed_checks"] else 0
+    return 1 if s["cases_with_differences_beyond_noise"] or s["failed_checks"] or s["cases_not_run"] else 0
 
 
 def _add_compare(sub: Any) -> None:

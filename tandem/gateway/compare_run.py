@@ -63,10 +63,29 @@ async def probe(client: httpx.AsyncClient, side: Side) -> tuple[str, int | None,
     return model, max_len, per_filler
 
 
+def error_of(capture: Capture) -> str | None:
+    """Why an answer failed: the transport error, the OpenAI error message, or its HTTP status."""
+    if capture.error:
+        return capture.error
+    if capture.ok:
+        return None
+    body = capture.body
+    error = body.get("error") if isinstance(body, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    return f"HTTP {capture.status}: {message or str(body)[:200]}"
+
+
+def not_run_reason(case: Case, cap_a: Capture, cap_b: Capture) -> str | None:
+    """Why a case did not run on either side (both failed and no error status was expected), or None."""
+    if case.expect_status is not None or cap_a.ok or cap_b.ok:
+        return None
+    return f"A: {error_of(cap_a)}; B: {error_of(cap_b)}"
+
+
 def summarize_capture(capture: Capture) -> dict[str, Any]:
     """What the report shows of one answer (texts cut to 300 characters)."""
     a = answer_of(capture)
-    return {"status": a.status, "error": capture.error or None, "error_type": a.error_type, "error_code": a.error_code,
+    return {"status": a.status, "error": error_of(capture), "error_type": a.error_type, "error_code": a.error_code,
             "texts": [t[:300] for t in a.texts], "finish_reasons": a.finish, "usage": a.usage,
             "tool_calls": a.tool_calls, "stream": a.stream, "choice_chunks": a.chunks if a.stream else None,
             "done": a.done if a.stream else None, "ttft_s": capture.ttft_s, "latency_s": capture.latency_s}
@@ -118,10 +137,12 @@ async def run_cases(a: Side, b: Side, cases: list[Case], timeout_s: float) -> di
                 "expect_status": case.expect_status, "a": summarize_capture(cap_a), "b": summarize_capture(cap_b),
                 "diffs": [vars(d) for d in signal.diffs], "noise_diffs": [vars(d) for d in noise.diffs],
                 "diffs_beyond_noise": [vars(d) for d in subtract_noise(signal, noise).diffs], "failed_checks": checks,
+                "not_run": not_run_reason(case, cap_a, cap_b),
             })
     summary = divergence_report(signals, noises)
     summary["failed_checks"] = sum(len(r["failed_checks"]["a"]) + len(r["failed_checks"]["b"]) for r in rows)
     summary["cases_with_differences_beyond_noise"] = sum(bool(r["diffs_beyond_noise"]) for r in rows)
+    summary["cases_not_run"] = sum(r["not_run"] is not None for r in rows)
     # NOTE: the sides' API keys are never written into a report
     sides = {s.label: {"url": s.url, "model": s.model} for s in (a, b)}
     return {**sides, "summary": summary, "cases": rows}

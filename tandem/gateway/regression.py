@@ -105,12 +105,19 @@ def load_cases(path: str) -> list[Case]:
                 raise ValueError(f"{path}:{n}: not JSON: {e}") from e
             if not isinstance(item, dict):
                 raise ValueError(f"{path}:{n}: expected an object")
+            name, endpoint = item.pop("name", f"line{n}"), item.pop("endpoint", None)
+            status = item.pop("expect_status", None)
+            if not isinstance(name, str) or not (status is None or isinstance(status, int)):
+                raise ValueError(f"{path}:{n}: name must be a string and expect_status an integer")
+            if endpoint not in (None, "completions", "chat/completions"):
+                raise ValueError(f"{path}:{n}: endpoint must be completions or chat/completions, got {endpoint!r}")
             if "body" in item:
-                cases.append(Case(item.get("name", f"line{n}"), item.get("endpoint", "completions"), item["body"],
-                                  item.get("expect_status")))
+                if not isinstance(item["body"], dict):
+                    raise ValueError(f"{path}:{n}: body must be a JSON object, got {type(item['body']).__name__}")
+                cases.append(Case(name, endpoint or "completions", item["body"], status))
             elif "messages" in item or "prompt" in item:
-                endpoint = "chat/completions" if "messages" in item else "completions"
-                cases.append(Case(item.get("name", f"line{n}"), endpoint, {"temperature": 0, "max_tokens": 16, **item}))
+                endpoint = endpoint or ("chat/completions" if "messages" in item else "completions")
+                cases.append(Case(name, endpoint, {"temperature": 0, "max_tokens": 16, **item}, status))
             else:
                 raise ValueError(f"{path}:{n}: needs body, prompt or messages")
     names = [c.name for c in cases]

@@ -20,7 +20,8 @@ def compare_markdown(report: dict[str, Any]) -> str:
         f"# tandem compare: A {report['a']['url']} ({report['a']['model']}) vs B {report['b']['url']} "
         f"({report['b']['model']})", "",
         f"{s['requests']} cases; diverged {s['diverged_rate']:.0%}, A vs itself (noise) {s['noise_rate']:.0%}, "
-        f"beyond noise {s['diverged_beyond_noise_rate']:.0%}; {s['failed_checks']} failed checks.", "",
+        f"beyond noise {s['diverged_beyond_noise_rate']:.0%}; {s['failed_checks']} failed checks; "
+        f"{s.get('cases_not_run', 0)} cases not run on either side.", "",
         "| tier | A vs B | A vs A (noise) | beyond noise |", "|---|---|---|---|",
     ]
     for tier, r in s["tiers"].items():
@@ -29,6 +30,8 @@ def compare_markdown(report: dict[str, Any]) -> str:
               "|---|---|---|---|---|---|"]
     for c in report["cases"]:
         checks = "; ".join(f"{side}: {m}" for side in ("a", "b") for m in c["failed_checks"][side]) or "-"
+        if c.get("not_run"):
+            checks = f"not run on either side ({c['not_run']})"
         lines.append(f"| {c['name']} | {c['a']['status']} | {c['b']['status']} | {_cell(c['diffs_beyond_noise'])} "
                      f"| {_cell(c['noise_diffs'])} | {checks} |".replace("\n", " "))
     return "\n".join(lines) + "\n"

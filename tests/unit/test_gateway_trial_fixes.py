@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import json
 
 import httpx
 import pytest
@@ -128,3 +130,39 @@ def test_config_directory_and_bad_step_flag_are_one_line_errors(tmp_path, capsys
     assert f"--config {tmp_path}: cannot read it (Is a directory)" in capsys.readouterr().err
     assert main(["gateway", "--primary", "http://a", "--candidate", "http://b", "--canary-steps", "0.1:abc"]) == 2
     assert "--canary-steps item '0.1:abc': could not convert string to float: 'abc'" in capsys.readouterr().err
+
+
+def test_prompts_file_is_validated_and_endpoint_stays_out_of_the_body(tmp_path):
+    from tandem.gateway.regression import load_cases
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"name": "c", "endpoint": "chat/completions", "messages": [{"role": "user", "content": "hi"}]}\n')
+    (case,) = load_cases(str(path))
+    assert case.endpoint == "chat/completions" and "endpoint" not in case.body and "name" not in case.body
+    for line, message in (('{"body": "str"}', "body must be a JSON object, got str"),
+                          ('{"prompt": "x", "endpoint": "embeddings"}', "endpoint must be completions or chat")):
+        path.write_text(line + "\n")
+        with pytest.raises(ValueError, match=message):
+            load_cases(str(path))
+
+
+def test_compare_reports_cases_that_failed_on_both_sides_as_not_run(monkeypatch):
+    from tandem.gateway.compare_run import Side, run_cases
+    from tandem.gateway.regression import Case
+    from tandem.gateway.reports import compare_markdown
+
+    def server(request: httpx.Request) -> httpx.Response:
+        body = {"error": {"message": "the model has no chat template", "type": "invalid_request_error",
+                          "param": None, "code": None}}
+        return httpx.Response(400, headers={"content-type": "application/json"},
+                              stream=httpx.ByteStream(json.dumps(body).encode()))
+
+    transport = httpx.MockTransport(server)
+    monkeypatch.setattr(httpx, "AsyncClient", functools.partial(httpx.AsyncClient, transport=transport))
+    case = Case("chat", "chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    report = asyncio.run(run_cases(Side("a", "http://a", None, "m"), Side("b", "http://b", None, "m"), [case], 5.0))
+    row = report["cases"][0]
+    reason = "HTTP 400: the model has no chat template"
+    assert row["not_run"] == f"A: {reason}; B: {reason}"
+    assert row["a"]["error"] == "HTTP 400: the model has no chat template" and report["summary"]["cases_not_run"] == 1
+    assert "not run on either side (A: HTTP 400" in compare_markdown(report)
