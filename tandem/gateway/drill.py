@@ -278,6 +278,9 @@ def drill_markdown(r: dict[str, Any]) -> str:
            f"{r['candidate_down_after_s']:.3f} s after it." if r["candidate_down_after_s"] is not None else
            "WARNING: the candidate's URL still answered 5 s after it (the command did not stop it)."), "",
         f"Fallback time: {fb}. Requests lost: {r['requests_lost']} of {r['requests_total']}.", "",
+        "(Fallback time: from the stop to the start of the first request from which on every request was "
+        "served by the primary with success; requests start one per 1/rate s, so that is its resolution. "
+        "Requests in flight at the stop are counted below, not in it.)", "",
         "| phase | requests | lost | served by | median TTFT ms | p99 E2EL ms |", "|---|---|---|---|---|---|",
     ]
     for name in ("before_stop", "after_stop"):
