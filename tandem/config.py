@@ -400,6 +400,23 @@ class KVEventsConfig:
                                    else _shift_endpoint(self.replay_endpoint, rank))
 
 
+    def check_ranks(self, n: int) -> None:
+        """Raises ConfigError when the endpoints of ``n`` data-parallel engines (``for_rank``) collide, e.g.
+        ports 5557 and 5558 with ``-dp 2``: engine 1 would publish on engine 0's replay port."""
+        seen: dict[str, str] = {}
+        for rank in range(n):
+            cfg = self.for_rank(rank)
+            for kind, endpoint in (("endpoint", cfg.endpoint), ("replay_endpoint", cfg.replay_endpoint)):
+                if endpoint is None or endpoint.endswith(":*"):
+                    continue
+                if endpoint in seen:
+                    raise ConfigError(
+                        f"--kv-events-config: with {n} data-parallel engines, engine {rank}'s {kind} {endpoint} is "
+                        f"also {seen[endpoint]} (engine i uses each port + i): space the endpoint and "
+                        f"replay_endpoint ports at least {n} apart")
+                seen[endpoint] = f"engine {rank}'s {kind}"
+
+
 def _shift_endpoint(endpoint: str, offset: int) -> str:
     if endpoint.startswith("tcp://"):
         head, _, port = endpoint.rpartition(":")

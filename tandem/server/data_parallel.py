@@ -43,6 +43,8 @@ def start_data_parallel(engine_config: EngineConfig, server_config: ServerConfig
     from tandem.models.resolve import resolve_model_path
 
     load_chat_template(engine_config.model.chat_template)  # NOTE: a bad --chat-template fails before any core starts
+    if engine_config.kv_events is not None:
+        engine_config.kv_events.check_ranks(parallel.data_parallel_size)
     model_dir = resolve_model_path(engine_config.model.model)
     engine_config = with_recorded_events(engine_config)
     if parallel.data_parallel_backend == "ray":

@@ -165,3 +165,13 @@ def test_an_endpoint_in_use_is_a_clear_error():
             KVEventPublisher.from_config(KVEventsConfig(enable_kv_cache_events=True, endpoint=first.endpoint))
     finally:
         first.close()
+
+
+def test_colliding_data_parallel_endpoints_are_refused():
+    c = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:5557",
+                       replay_endpoint="tcp://127.0.0.1:5558")
+    c.check_ranks(1)
+    with pytest.raises(ConfigError, match="engine 1's endpoint tcp://127.0.0.1:5558 is also engine 0's replay"):
+        c.check_ranks(2)
+    KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://127.0.0.1:5557",
+                   replay_endpoint="tcp://127.0.0.1:5657").check_ranks(8)
