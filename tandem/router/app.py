@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.config import ConfigError
 from tandem.router.backend import HttpBackend
@@ -34,6 +35,7 @@ from tandem.router.metrics import CONTENT_TYPE, RouterMetrics
 from tandem.router.policy import make_policy
 from tandem.router.prompt import PromptReader
 from tandem.router.proxy import DROP_RESPONSE_HEADERS, Router, filter_headers
+from tandem.server.errors import http_exception_response
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +208,10 @@ def build_app(service: RouterService) -> FastAPI:
             await service.stop()
 
     app = FastAPI(title="tandem router", lifespan=lifespan)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return http_exception_response(exc)  # unknown paths and methods: OpenAI error JSON, as tandem serve
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

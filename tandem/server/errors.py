@@ -145,6 +145,14 @@ def _validation_error(exc: RequestValidationError, path: str = "") -> APIError:
     return bad_request(message, param)
 
 
+def http_exception_response(exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (unknown path, wrong method) as OpenAI error JSON, headers kept."""
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    response = APIError(exc.status_code, str(exc.detail), kind).response()
+    response.headers.update(exc.headers or {})  # NOTE: a 405 lists the allowed methods (Allow, RFC 9110)
+    return response
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Registers handlers so that every error leaves as OpenAI error JSON (user mistakes as 4xx)."""
 
@@ -158,10 +166,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        response = APIError(exc.status_code, str(exc.detail), kind).response()
-        response.headers.update(exc.headers or {})  # NOTE: a 405 lists the allowed methods (Allow, RFC 9110)
-        return response
+        return http_exception_response(exc)
 
     @app.exception_handler(SamplingParamsError)
     @app.exception_handler(PromptError)

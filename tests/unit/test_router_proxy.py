@@ -345,3 +345,15 @@ async def test_a_backend_up_after_the_router_is_discovered_then_subscribed():
     assert isinstance(a.state.index, EventBlockIndex)
     await _stop(service, client)
     publisher.close()
+
+
+async def test_unknown_paths_and_methods_get_openai_error_json():
+    fakes = Fakes()
+    fakes.script = {A: ok}
+    service, client = await _start(fakes, A)
+    r = await client.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = await client.get("/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "POST" in r.headers["allow"]
+    await _stop(service, client)
