@@ -4,6 +4,7 @@ killing one actor's process gets it restarted by Ray, reconnected and counted in
 
 from __future__ import annotations
 
+import socket
 import time
 
 import httpx
@@ -48,6 +49,8 @@ def test_two_ray_engine_actors_serve_and_a_killed_one_is_restarted(ray_server, a
     assert load["data_parallel_size"] == 2 and all(e["healthy"] for e in load["engines"])
     pids = actor_pids()
     assert len(pids) == 2, pids
+    assert sorted(e["pid"] for e in load["engines"]) == pids  # /load names each actor's process
+    assert {e["host"] for e in load["engines"]} == {socket.gethostname()}
     psutil.Process(pids[1]).kill()
     t0 = time.monotonic()
     statuses = []
