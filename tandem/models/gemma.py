@@ -150,10 +150,11 @@ class GemmaModel(LlamaModel):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        prompt_lens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids) * self.embed_scale
-        rope = self.rotary(positions, x.dtype)
-        rope_local = rope if self.rotary_local is None else self.rotary_local(positions, x.dtype)
+        rope = self.rotary(positions, x.dtype, prompt_lens)
+        rope_local = rope if self.rotary_local is None else self.rotary_local(positions, x.dtype, prompt_lens)
         residual = None
         for layer, local, kv_cache in zip(self.layers, self.local_rope, kv_caches, strict=True):
             x, residual = layer.forward(x, residual, rope_local if local else rope, kv_cache, meta)

@@ -8,6 +8,7 @@ transformers >= 5 writes ``rope_parameters: {"rope_type", "rope_theta", ...}``; 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,11 +23,13 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "OlmoeForCausalLM",
     "GraniteMoeForCausalLM",
+    "Phi3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
 )
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# NOTE: "su" is longrope's old name in Phi-3 configs (transformers renames it on load).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "su")
 # hidden_act / hidden_activation per family: Gemma's MLP is GeGLU with tanh-approximated GELU.
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # generation_config.json keys copied into SamplingParams defaults (same names there).
@@ -45,7 +48,9 @@ class RopeConfig:
     ``rope_type`` "default" uses ``theta`` only; "linear" divides every frequency by ``factor``
     (position interpolation, Chen et al. 2023); "llama3" (Llama 3.1 frequency-dependent scaling)
     also uses ``factor``, ``low_freq_factor``, ``high_freq_factor`` and
-    ``original_max_position_embeddings`` (tokens).
+    ``original_max_position_embeddings`` (tokens). "longrope" (LongRoPE, Ding et al. 2024; Phi-3) divides
+    each frequency by ``short_factor[i]`` or ``long_factor[i]`` (``head_dim // 2`` each; which one a token
+    uses: ``layers.RotaryEmbedding``) and scales cos/sin by ``attention_factor``.
     """
 
     rope_type: str = "default"
@@ -54,6 +59,9 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -323,6 +331,9 @@ def _rope_config(cfg: dict[str, Any], path: Path, layer_type: str) -> RopeConfig
             f"{path}: rope type {rope_type!r} is not supported; supported rope types: "
             f"{', '.join(SUPPORTED_ROPE_TYPES)}"
         )
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+    if partial != 1.0:
+        raise CheckpointError(f"{path}: partial_rotary_factor {partial} is not supported (only 1.0)")
     if rope_type == "default":
         return RopeConfig(theta=float(theta))
     if rope_type == "linear":
@@ -330,6 +341,8 @@ def _rope_config(cfg: dict[str, Any], path: Path, layer_type: str) -> RopeConfig
             raise CheckpointError(f"{path}: linear rope parameters lack 'factor'")
         return RopeConfig(rope_type="linear", theta=float(theta), factor=float(params["factor"]))
     try:
+        if rope_type in ("longrope", "su"):
+            return _longrope_config(cfg, params, float(theta), path)
         return RopeConfig(
             rope_type=rope_type,
             theta=float(theta),
@@ -339,7 +352,30 @@ def _rope_config(cfg: dict[str, Any], path: Path, layer_type: str) -> RopeConfig
             original_max_position_embeddings=int(params["original_max_position_embeddings"]),
         )
     except KeyError as e:
-        raise CheckpointError(f"{path}: llama3 rope parameters lack {e.args[0]!r}") from None
+        raise CheckpointError(f"{path}: {rope_type} rope parameters lack {e.args[0]!r}") from None
+
+
+def _longrope_config(cfg: dict[str, Any], params: dict[str, Any], theta: float, path: Path) -> RopeConfig:
+    """LongRoPE as transformers' ``_compute_longrope_parameters`` reads it: the top-level
+    ``original_max_position_embeddings`` wins over the rope dict's (Phi-3 writes it there), ``factor``
+    defaults to ``max_position_embeddings / original``, and ``attention_factor`` to
+    ``sqrt(1 + ln(factor) / ln(original))`` (1 when ``factor <= 1``)."""
+    original = int(cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+                   or cfg.get("max_position_embeddings", 2048))
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else int(cfg.get("max_position_embeddings", 2048)) / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    half = int(cfg.get("head_dim") or hidden // heads) // 2
+    short, long = tuple(map(float, params["short_factor"])), tuple(map(float, params["long_factor"]))
+    if len(short) != half or len(long) != half:
+        raise CheckpointError(f"{path}: longrope short_factor / long_factor need {half} values each, "
+                              f"got {len(short)} / {len(long)}")
+    return RopeConfig(rope_type="longrope", theta=theta, factor=factor,
+                      original_max_position_embeddings=original, short_factor=short, long_factor=long,
+                      attention_factor=float(attention_factor))
 
 
 def _sliding_window(cfg: dict[str, Any]) -> int | None:

@@ -38,15 +38,15 @@ class LlamaAttention(nn.Module):
     # True when ``norm_qk`` is not the identity (Qwen3): q and k are then normalised into new tensors
     # before RoPE instead of being rotated in place in the qkv output.
     has_qk_norm: bool = False
+    # The checkpoint tensors filling ``qkv_proj``; ``()`` when the checkpoint stores it fused (Phi-3).
+    qkv_shard_names: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
 
     def __init__(self, cfg: HFModelConfig, dtype: torch.dtype, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = Linear(
-            cfg.hidden_size, self.split_sizes, cfg.attention_bias, dtype, ("q_proj", "k_proj", "v_proj")
-        )
+        self.qkv_proj = Linear(cfg.hidden_size, self.split_sizes, cfg.attention_bias, dtype, self.qkv_shard_names)
         o_bias = cfg.attention_bias if self.o_proj_bias is None else self.o_proj_bias
         self.o_proj = Linear(q_size, cfg.hidden_size, o_bias, dtype)
         self.scale = cfg.attention_multiplier if cfg.attention_multiplier is not None else self.head_dim**-0.5
@@ -90,12 +90,13 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward with a fused gate/up projection: ``[T, hidden] -> [T, hidden]``."""
 
-    def __init__(self, cfg: HFModelConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self, cfg: HFModelConfig, dtype: torch.dtype, shard_names: tuple[str, ...] = ("gate_proj", "up_proj")
+    ) -> None:
+        """``shard_names``: the checkpoint tensors filling ``gate_up_proj`` (``()``: stored fused, Phi-3)."""
         super().__init__()
         inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(
-            cfg.hidden_size, [inter, inter], cfg.mlp_bias, dtype, ("gate_proj", "up_proj")
-        )
+        self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, dtype, shard_names)
         self.act = SiluAndMul()
         self.down_proj = Linear(inter, cfg.hidden_size, cfg.mlp_bias, dtype)
 
@@ -231,11 +232,12 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        prompt_lens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         if self.embedding_multiplier != 1.0:  # Granite
             x = x * self.embedding_multiplier
-        rope = self.rotary(positions, x.dtype)
+        rope = self.rotary(positions, x.dtype, prompt_lens)
         residual, fused = None, self.fused_step(x)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer.forward(x, residual, rope, kv_cache, meta, fused)
@@ -299,13 +301,15 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        prompt_lens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``input_ids, positions [T] int64 -> hidden [T, hidden]`` in the model dtype.
 
-        ``kv_caches`` holds one ``(k_cache, v_cache)`` per layer. Changes: writes K/V at
-        ``meta.slot_mapping`` in every layer's cache.
+        ``kv_caches`` holds one ``(k_cache, v_cache)`` per layer. ``prompt_lens [T]`` int64: the prompt
+        length (tokens) of each token's request; only "longrope" RoPE reads it (``RotaryEmbedding``).
+        Changes: writes K/V at ``meta.slot_mapping`` in every layer's cache.
         """
-        return self.model(input_ids, positions, kv_caches, meta)
+        return self.model(input_ids, positions, kv_caches, meta, prompt_lens)
 
     def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """``hidden [N, hidden] -> logits [N, vocab]`` in ``dtype`` (None: the model dtype, no copy).

@@ -23,6 +23,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GraniteMoeForCausalLM": ("tandem.models.granitemoe", "GraniteMoeForCausalLM"),
     "Gemma2ForCausalLM": ("tandem.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("tandem.models.gemma", "Gemma3ForCausalLM"),
+    "Phi3ForCausalLM": ("tandem.models.phi3", "Phi3ForCausalLM"),
 }
 assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES)
 
