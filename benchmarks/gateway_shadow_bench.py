@@ -124,6 +124,7 @@ def main() -> int:
         serve_candidate(args.serve_candidate, args.candidate_delay)
         return 0
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="gateway-shadow-"))
+    work.mkdir(parents=True, exist_ok=True)
     print(f"load average at start: {os.getloadavg()}", flush=True)
     ports = {k: _port() for k in ("primary", "candidate", "off", "on")}
     url = {k: f"http://127.0.0.1:{v}" for k, v in ports.items()}
