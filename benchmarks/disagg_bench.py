@@ -1,13 +1,21 @@
-"""KV transfer throughput of the P/D connector against a raw TCP socket copy of the same bytes.
+"""P/D disaggregation at equal cores: serving latency (TTFT, ITL, goodput) and KV transfer throughput, in one run.
 
-Two engines in this process (a prefill engine with ``kv_role`` kv_producer, a decode engine's runner
-with a ``KVPuller``) on loopback: the prefill engine computes a long prompt once (its blocks held
-under a lease), then the decode side pulls those blocks ``--repeats`` times (layer by layer, zero-copy
-frames, written into its own cache) while the prefill engine serves between its steps. The same
-number of bytes then goes through a plain TCP socket (``sendall`` from a thread, ``recv_into`` a
-preallocated buffer). Both are timed side by side in one run; the ratio is the figure of merit.
+1. Transfer: two engines in this process (a prefill engine with ``kv_role`` kv_producer, a decode engine's
+   runner with a ``KVPuller``) on loopback: the prefill engine computes a long prompt once (its blocks held
+   under a lease), then the decode side pulls those blocks ``--repeats`` times (layer by layer, zero-copy
+   frames, written into its own cache) while the prefill engine serves between its steps. The same number
+   of bytes then goes through a plain TCP socket (``sendall`` from a thread, ``recv_into`` a preallocated
+   buffer). The ratio pull / raw socket is the figure of merit.
+2. Serving (unless ``--no-serving``): one co-located ``tandem serve`` on cores 0,1 (2 threads) against a
+   prefill server on core 0 + a decode server on core 1 (1 thread each) behind ``tandem router --prefill
+   --decode --disagg-min-prompt-tokens`` (short prompts go straight to decode), one set-up at a time.
+   Load (``disagg_serving.py``): short-prompt chat streams (Poisson) alone, then the same with long prompts
+   arriving (Poisson) at each ``--scales`` multiple of both rates. Reported per run: TTFT and ITL p50/p99
+   of the short streams and of all requests, SLO attainment (TTFT and TPOT both met), and goodput as
+   DistServe defines it: the highest request rate at which >= 90% of requests meet both SLOs.
 
-    python benchmarks/disagg_bench.py --model default --prompt-tokens 2000 --repeats 5 [--synthetic]
+    python benchmarks/disagg_bench.py --model default --prompt-tokens 2000 --repeats 5 [--synthetic] \
+        [--long-tokens 2000 --short-rate 0.5 --long-rate 0.05 --scales 0.5,1,2 --window-s 60]
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import json
 import os
 import socket
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -28,6 +37,11 @@ from tandem.engine.core import EngineCore
 from tandem.models.resolve import resolve_model_path
 from tandem.request import Request
 from tandem.sampling_params import SamplingParams
+
+try:
+    from disagg_serving import add_serving_args, run_serving
+except ImportError:  # NOTE: imported as benchmarks.disagg_bench
+    from benchmarks.disagg_serving import add_serving_args, run_serving
 
 
 def free_port() -> int:
@@ -129,7 +143,21 @@ def main() -> None:
     ap.add_argument("--synthetic", action="store_true",
                     help="hold blocks for --prompt-tokens without computing them (no prefill forward pass)")
     ap.add_argument("--output", default=None, help="write the results as JSON here")
+    add_serving_args(ap)
     args = ap.parse_args()
+    result = {"command": " ".join(sys.argv), "loadavg_start": os.getloadavg(),
+              "transfer": transfer(args)}
+    print(json.dumps(result["transfer"], indent=2), flush=True)
+    if not args.no_serving:
+        result["serving"] = run_serving(args)
+    result["loadavg_end"] = os.getloadavg()
+    print(json.dumps({k: v for k, v in result.items() if k != "transfer"}, indent=2))
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2))
+
+
+def transfer(args: argparse.Namespace) -> dict:
+    """The KV pull vs the raw socket (part 1 of the module docstring)."""
     model = resolve_model_path(None if args.model == "default" else args.model)
     num_blocks = args.prompt_tokens // 16 + 8
     producer = prefill_engine(model, args.dtype, num_blocks)
@@ -153,9 +181,8 @@ def main() -> None:
               "pull_s_median": statistics.median(pull_s), "raw_socket_s_median": statistics.median(raw_s),
               "pull_GBps": round(pull_gbs, 3), "raw_socket_GBps": round(raw_gbs, 3),
               "ratio": round(pull_gbs / raw_gbs, 3), "loadavg": os.getloadavg()}
-    print(json.dumps(result, indent=2))
-    if args.output:
-        Path(args.output).write_text(json.dumps(result, indent=2))
+    del producer, consumer
+    return result
 
 
 if __name__ == "__main__":
