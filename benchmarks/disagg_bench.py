@@ -28,7 +28,10 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import zmq
 
 from tandem.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
 from tandem.disagg.consumer import KVPuller, PullJob
@@ -80,23 +83,31 @@ def hold_blocks(core: EngineCore, num_tokens: int) -> dict:
             "remote_host": config.kv_ip, "remote_port": config.kv_port, "remote_lease_id": "bench-lease"}
 
 
-def pull_times(producer: EngineCore, puller: KVPuller, params: dict, repeats: int) -> tuple[list[float], int]:
+def pull_times(producer: EngineCore, puller: KVPuller, params: dict, repeats: int,
+               between: Callable[[], None]) -> tuple[list[float], int]:
+    """Seconds of each timed pull of the held blocks and the bytes one moves; ``between`` runs after each
+    timed pull (the raw-socket copy, so that both see the same machine load)."""
     blocks = params["remote_block_ids"]
     job = PullJob("bench", params["remote_host"], params["remote_port"], params["remote_lease_id"], blocks,
                   params["remote_block_generations"], list(range(len(blocks))))
+    poller = zmq.Poller()
+    for sock in (producer.kv_connector.server.socket, puller.wake):
+        poller.register(sock, zmq.POLLIN)
     seconds, num_bytes = [], 0
     for i in range(repeats + 1):  # NOTE: the first pull also connects and handshakes: not timed
         puller.submit(job)
         results = []
         while not results:
-            producer.step()
-            puller.wake.poll(1)  # NOTE: as the engine loop does: wait (GIL released) instead of spinning
+            ready = dict(poller.poll(1000))  # NOTE: as the engine loop does: sleep (GIL released) until a socket wakes
+            if producer.kv_connector.server.socket in ready:
+                producer.step()
             results = puller.results()
         if results[0].error:
             raise SystemExit(f"pull failed: {results[0].error}")
         if i:
             seconds.append(results[0].seconds)
             num_bytes = results[0].num_bytes
+            between()
     return seconds, num_bytes
 
 
@@ -168,12 +179,16 @@ def transfer(args: argparse.Namespace) -> dict:
                                               cache=CacheConfig(num_blocks=num_blocks)), progress=False)
     puller = KVPuller(producer.kv_connector.ctx, kv_identity(consumer.runner), None, consumer.runner.kv_cache_groups,
                       timeout_s=60)
+    num_bytes = len(params["remote_block_ids"]) * sum(  # NOTE: K and V of every layer of every held block
+        k[0].nbytes + v[0].nbytes for layers in producer.runner.kv_cache_groups() for k, v in layers)
+    raw_s: list[float] = []
     try:
-        pull_s, num_bytes = pull_times(producer, puller, params, args.repeats)
+        pull_s, pulled = pull_times(producer, puller, params, args.repeats,
+                                    lambda: raw_s.extend(raw_socket_times(num_bytes, 1)))
     finally:
         puller.close()
         producer.close()
-    raw_s = raw_socket_times(num_bytes, args.repeats)
+    assert pulled == num_bytes, (pulled, num_bytes)
     pull_gbs = num_bytes / statistics.median(pull_s) / 1e9
     raw_gbs = num_bytes / statistics.median(raw_s) / 1e9
     result = {"model": str(model), "dtype": args.dtype, "prompt_tokens": args.prompt_tokens,

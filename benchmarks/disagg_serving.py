@@ -60,18 +60,28 @@ def start_setup(name: str, model: Path, args: argparse.Namespace, logs: Path) ->
     def spawn(cmd: list[str], log: str) -> subprocess.Popen:
         return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(logs / log, "w"))  # noqa: SIM115
 
+    procs: list[subprocess.Popen] = []
+    try:
+        return _start(name, model, args, spawn, procs)
+    except BaseException:
+        stop(procs)  # NOTE: an interrupted start-up must not leave servers behind
+        raise
+
+
+def _start(name: str, model: Path, args: argparse.Namespace, spawn: Any, procs: list[subprocess.Popen]
+           ) -> tuple[str, list[subprocess.Popen]]:
     if name == "colocated":
         port = free_port()
-        procs = [spawn(serve_cmd(model, args.dtype, port, "0,1", 2), "colocated.log")]
+        procs.append(spawn(serve_cmd(model, args.dtype, port, "0,1", 2), "colocated.log"))
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, procs[0])
         return url, procs
     p_port, d_port, port = free_port(), free_port(), free_port()
     kv = {"kv_connector": "TandemConnector", "kv_port": free_port()}
-    procs = [spawn(serve_cmd(model, args.dtype, p_port, "0", 1, "--kv-transfer-config",
-                             json.dumps({**kv, "kv_role": "kv_producer"})), "prefill.log"),
-             spawn(serve_cmd(model, args.dtype, d_port, "1", 1, "--kv-transfer-config",
-                             json.dumps({**kv, "kv_port": free_port(), "kv_role": "kv_consumer"})), "decode.log")]
+    procs += [spawn(serve_cmd(model, args.dtype, p_port, "0", 1, "--kv-transfer-config",
+                              json.dumps({**kv, "kv_role": "kv_producer"})), "prefill.log"),
+              spawn(serve_cmd(model, args.dtype, d_port, "1", 1, "--kv-transfer-config",
+                              json.dumps({**kv, "kv_port": free_port(), "kv_role": "kv_consumer"})), "decode.log")]
     for p, proc in zip((p_port, d_port), procs, strict=True):
         wait_healthy(f"http://127.0.0.1:{p}", proc)
     procs.append(spawn([sys.executable, "-m", "tandem.cli", "router", "--prefill", f"http://127.0.0.1:{p_port}",

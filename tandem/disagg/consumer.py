@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 import zmq
 
@@ -40,6 +41,7 @@ from tandem.disagg.messages import (
     ToConsumer,
 )
 from tandem.engine.handshake import sign
+from tandem.kv_cache.transfer import write_rows
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +233,7 @@ class KVPuller:
         sock.send(self._encoder.encode(PullKV(xfer_id, job.lease_id, job.remote_block_ids, job.generations)))
         caches = self.kv_cache_groups()
         expected = {(c, layer) for c, layers in enumerate(caches) for layer in range(len(layers))}
-        index = torch.tensor(job.local_block_ids, dtype=torch.int64)
+        index = np.asarray(job.local_block_ids, dtype=np.int64)
         num_bytes = 0
         while True:
             reply, frames = self._recv(sock, "KV blocks")
@@ -250,7 +252,7 @@ class KVPuller:
             if tuple(reply.shape) != shape:
                 raise TransferError(f"layer {reply.layer}: blocks of shape {reply.shape}, expected {list(shape)}")
             for cache, frame in ((k, frames[0]), (v, frames[1])):
-                cache.index_copy_(0, index, _as_tensor(frame, cache.dtype, shape))
+                write_rows(cache, index, _as_tensor(frame, cache.dtype, shape))
                 num_bytes += len(frame.buffer)
             expected.discard((reply.cache, reply.layer))
 

@@ -95,7 +95,7 @@ def test_a_refused_decode_engine_is_counted_once(producer, renew_first):
             puller.wake.poll(50)
             results = puller.results()
         assert len(results) == 1 and "refused this decode engine" in results[0].error
-        assert "block size 4 != 8" in results[0].error
+        assert "block size 4 != 8" in results[0].error and "model (hash of config + weight names" in results[0].error
         assert server.num_refused == 1
     finally:
         puller.close()
