@@ -29,10 +29,44 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int)
     return blocks.flatten(0, 1)[:seq_len]
 
 
+def attend(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    query_pos: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of one row: ``query [H, n, D]`` at positions ``query_pos [n]`` over ``keys, values
+    [KV, S, D]`` at positions ``0 .. S - 1`` -> ``[H, n, D]``.
+
+    A query at position p sees keys ``p - window + 1 .. p`` (all keys up to p when ``window`` is None;
+    transformers' ``sliding_window_overlay``). ``softcap`` caps the scaled scores to
+    ``softcap * tanh(s / softcap)`` before the mask and softmax (Gemma 2, Gemma Team 2024); SDPA cannot,
+    so the scores are then computed explicitly in (at least) float32 (transformers' ``eager_attention_forward``).
+    """
+    key_pos = torch.arange(keys.shape[1])
+    mask = key_pos[None, :] <= query_pos[:, None]  # [n, S]
+    if window is not None:
+        mask &= key_pos[None, :] > query_pos[:, None] - window
+    if softcap is None:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
+                                              enable_gqa=keys.shape[0] != query.shape[0])
+    group = query.shape[0] // keys.shape[0]
+    keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+    acc = torch.promote_types(query.dtype, torch.float32)  # float32, or float64 for a float64 oracle
+    scores = torch.matmul(query.to(acc), keys.to(acc).transpose(1, 2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return torch.matmul(probs.to(values.dtype), values)
+
+
 class TorchRefAttention:
     """Gather + ``F.scaled_dot_product_attention`` with a causal mask offset by the cached prefix.
 
-    Query i of a row sits at position ``num_computed + i`` and sees keys ``0 .. num_computed + i``.
+    Query i of a row sits at position ``num_computed + i`` and sees keys ``0 .. num_computed + i``
+    (the last ``window`` of them with a sliding window; see ``attend``, which also applies soft-capping).
     Grouped-query attention (Ainslie et al. 2023) uses SDPA's ``enable_gqa``: each of the KV heads
     serves ``H / KV`` query heads.
     """
@@ -48,8 +82,11 @@ class TorchRefAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """``q [T, H, D]``, ``k, v [T, KV, D]``, caches ``[N, B, KV, D]`` -> ``[T, H, D]``.
+        """``q [T, H, D]``, ``k, v [T, KV, D]``, caches ``[N, B, KV, D]`` -> ``[T, H, D]``; ``window``
+        (tokens) and ``softcap`` as in ``attend``.
 
         Changes: writes this step's k/v into the caches at ``meta.slot_mapping``.
         """
@@ -66,9 +103,5 @@ class TorchRefAttention:
             values = gather_context(v_cache, meta.block_tables[r], seq_len).transpose(0, 1)
             query = q[start:end].transpose(0, 1)  # [H, n, D]
             query_pos = computed[r] + torch.arange(end - start)
-            mask = torch.arange(seq_len)[None, :] <= query_pos[:, None]  # [n, S]
-            attn = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=mask, scale=scale, enable_gqa=keys.shape[0] != query.shape[0]
-            )
-            out[start:end] = attn.transpose(0, 1)
+            out[start:end] = attend(query, keys, values, query_pos, scale, window, softcap).transpose(0, 1)
         return out

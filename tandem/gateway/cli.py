@@ -15,6 +15,7 @@ from tandem.gateway.config import (
     GateConfig,
     GatewayConfig,
     config_from_mapping,
+    redact_text,
 )
 
 
@@ -120,8 +121,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from tandem.gateway.app import run_gateway
 
     config = gateway_config_from_args(args)
-    print(f"tandem gateway on http://{config.host}:{config.port}: primary {config.primary.url}"
-          + (f", candidate {config.candidate.url} (weight {config.canary.weight:g}, shadow "
+    print(f"tandem gateway on http://{config.host}:{config.port}: primary {redact_text(config.primary.url)}"
+          + (f", candidate {redact_text(config.candidate.url)} (weight {config.canary.weight:g}, shadow "
              f"{config.shadow.fraction:g})" if config.candidate else ""), flush=True)
     run_gateway(config, getattr(args, "log_level", "WARNING"))
     return 0
@@ -170,7 +171,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         report = run_compare(a, b, lambda n, per, top: user_cases or builtin_cases(n or args.max_model_len, per, top),
                              args.timeout)
     except httpx.HTTPError as e:
-        raise ValueError(f"a server did not answer: {e}") from e
+        raise ValueError(redact_text(f"a server did not answer: {e}")) from e
     markdown = compare_markdown(report)
     paths = write_reports(report, markdown, args.output_dir, "compare")
     print(markdown)
@@ -196,8 +197,8 @@ def _add_compare(sub: Any) -> None:
 
 
 def cmd_drill(args: argparse.Namespace) -> int:
-    """Exit 0 when the gateway recovered (every request served by the primary) and lost none after
-    the stop, 1 otherwise; --dry-run prints the steps."""
+    """Exit 0 when the gateway recovered (every request served by the primary) and no client request
+    was lost, in flight at the stop or after it; 1 otherwise; --dry-run prints the steps."""
     from tandem.gateway.drill import DrillConfig, drill_markdown, dry_run_steps, run_drill
     from tandem.gateway.reports import write_reports
 
@@ -212,7 +213,7 @@ def cmd_drill(args: argparse.Namespace) -> int:
     paths = write_reports(report, markdown, args.output_dir, "drill")
     print(markdown)
     print("wrote " + ", ".join(paths))
-    return 0 if report["recovered"] and not report["after_stop"]["lost"] else 1
+    return 0 if report["passed"] else 1
 
 
 def _add_drill(sub: Any) -> None:

@@ -24,8 +24,8 @@ from tandem.kernels.build import load_extension, selected_variant, unsupported_r
 
 __all__ = [
     "available", "backend", "dequantize", "linear_bf16", "moe_bf16", "moe_int4", "moe_int8", "linear_int4",
-    "linear_int8", "linear_max_tokens",
-    "paged_attention", "rms_norm", "rotary", "silu_and_mul", "unavailable_reason",
+    "linear_int8", "linear_max_tokens", "paged_attention", "rms_norm", "rotary", "silu_and_mul",
+    "supports_window_softcap", "unavailable_reason",
 ]
 
 
@@ -180,6 +180,8 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     max_query_len: int,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Paged causal attention read from the cache in place (online softmax); bf16 or fp32.
 
@@ -188,13 +190,30 @@ def paged_attention(
     ``1 .. max_query_len``; other rows of ``out`` are left for the caller. ``block_tables [R, M]``,
     ``seq_lens [R]``, ``query_start_loc [R + 1]`` are int32 (``AttentionMetadata``). ``q``, ``k``,
     ``v``, ``out`` need contiguous heads but may have any token stride. ``head_dim`` <= 256.
+    ``window`` > 0: a query at position p sees keys ``p - window + 1 .. p`` only (blocks wholly
+    before that are not read); ``softcap`` > 0: each scaled score s becomes ``softcap * tanh(s / softcap)``
+    (Gemma 2). Both need ``supports_window_softcap()``.
 
     Raises:
+        ValueError: ``window`` or ``softcap`` on a variant without them.
         RuntimeError: mismatched dtypes, shapes or layouts (raised by the kernel).
     """
-    load_extension().paged_attention(
+    module = load_extension()
+    if window or softcap:
+        if not hasattr(module, "paged_attention_ex"):
+            raise ValueError(f"the {backend()} paged_attention kernel has no sliding window or soft-capping")
+        module.paged_attention_ex(out, q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+                                  query_start_loc, scale, max_query_len, window, softcap)
+        return
+    module.paged_attention(
         out, q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, max_query_len
     )
+
+
+def supports_window_softcap() -> bool:
+    """Whether the loaded variant's ``paged_attention`` takes ``window`` and ``softcap`` (avx2 does;
+    avx512_bf16 not yet: callers attend such layers with PyTorch ops there)."""
+    return available("paged_attention_ex")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

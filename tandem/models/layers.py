@@ -135,14 +135,25 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
+class GeluTanhAndMul(nn.Module):
+    """GeGLU gate (Shazeer 2020) of Gemma: ``x [..., 2d] -> gelu_tanh(x[..., :d]) * x[..., d:]`` (gate first),
+    with transformers' ``gelu_pytorch_tanh`` (``F.gelu(approximate="tanh")``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
 def rope_inv_freq(head_dim: int, rope: RopeConfig, long: bool = False) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]`` float32 (RoFormer, Su et al. 2021).
 
-    "llama3" applies Llama 3.1's frequency-dependent scaling (Meta's reference ``apply_scaling``,
-    as in transformers' ``_compute_llama3_parameters``): wavelengths shorter than
-    ``original_max / high_freq_factor`` are kept, longer than ``original_max / low_freq_factor``
-    divided by ``factor``, and those between interpolated smoothly. "longrope" divides frequency ``i`` by
-    ``short_factor[i]`` (``long_factor[i]`` when ``long``), as transformers' ``_compute_longrope_parameters``.
+    "linear" divides them by ``rope.factor`` (position interpolation, as transformers'
+    ``_compute_linear_scaling_rope_parameters``). "llama3" applies Llama 3.1's frequency-dependent
+    scaling (Meta's reference ``apply_scaling``, as in transformers' ``_compute_llama3_parameters``):
+    wavelengths shorter than ``original_max / high_freq_factor`` are kept, longer than
+    ``original_max / low_freq_factor`` divided by ``factor``, and those between interpolated smoothly.
+    "longrope" divides frequency ``i`` by ``short_factor[i]`` (``long_factor[i]`` when ``long``), as
+    transformers' ``_compute_longrope_parameters``.
 
     Raises:
         ValueError: an unsupported ``rope.rope_type``.
@@ -154,6 +165,8 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig, long: bool = False) -> torch.
     inv_freq = 1.0 / (rope.theta**exponent)
     if rope.rope_type == "default":
         return inv_freq
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
     if rope.rope_type != "llama3":
         raise ValueError(f"rope type {rope.rope_type!r} is not supported")
     old_len = rope.original_max_position_embeddings

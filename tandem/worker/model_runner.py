@@ -46,11 +46,10 @@ logger = logging.getLogger(__name__)
 def resolve_context_len(requested: int | None, hf: HFModelConfig) -> int:
     """The longest context (tokens) the runner serves: ``requested`` or the model's own.
 
-    NOTE: without a sliding-window kernel, full attention is exact only while the context fits in
-    the window, so a model with ``sliding_window`` (e.g. Mistral 7B v0.1) is clamped to it by default.
+    A sliding window is no limit: those layers attend to their window over the paged cache.
 
     Raises:
-        ConfigError: ``requested`` exceeds ``max_position_embeddings`` or the sliding window.
+        ConfigError: ``requested`` exceeds ``max_position_embeddings``.
     """
     if requested is None:
         return hf.max_model_len
@@ -58,11 +57,6 @@ def resolve_context_len(requested: int | None, hf: HFModelConfig) -> int:
         raise ConfigError(
             f"max_model_len {requested} exceeds the model's max_position_embeddings "
             f"{hf.max_position_embeddings}"
-        )
-    if hf.sliding_window is not None and requested > hf.sliding_window:
-        raise ConfigError(
-            f"max_model_len {requested} exceeds the model's sliding window {hf.sliding_window}; "
-            f"sliding-window attention is not implemented, so use max_model_len <= {hf.sliding_window}"
         )
     return requested
 

@@ -10,6 +10,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("cpus"));
   m.def("omp_thread_ids", &omp_thread_ids, "thread ids of an n-thread OpenMP team", py::arg("n"));
   m.def("paged_attention", &paged_attention, "write K/V into the paged cache, attend every row up to max_query_len");
+  // avx2 only (tandem.kernels.supports_window_softcap): sliding window and score soft-capping
+  m.def("paged_attention_ex", &paged_attention_ex, "paged_attention with a sliding window and soft-capping");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim of [R, dim]");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "in place: residual += x; x = rms_norm(residual)");
   m.def("rotary", &rotary, "rotate-half rotary embedding of [T, H, D]");
