@@ -124,12 +124,13 @@ def main() -> int:
         serve_candidate(args.serve_candidate, args.candidate_delay)
         return 0
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="gateway-shadow-"))
+    work.mkdir(parents=True, exist_ok=True)
     print(f"load average at start: {os.getloadavg()}", flush=True)
     ports = {k: _port() for k in ("primary", "candidate", "off", "on")}
     url = {k: f"http://127.0.0.1:{v}" for k, v in ports.items()}
     tandem = [sys.executable, "-m", "tandem.cli"]
     procs = {
-        "primary": _start("primary", tandem + ["serve", args.model, "--served-model-name", "stories",
+        "primary": _start("primary", tandem + ["serve", "--model", args.model, "--served-model-name", "stories",
                                                "--port", str(ports["primary"])], work),
         "candidate": _start("candidate", [sys.executable, __file__, "--serve-candidate", str(ports["candidate"]),
                                           "--candidate-delay", str(args.candidate_delay)], work),
@@ -143,10 +144,13 @@ def main() -> int:
         asyncio.run(_round(url, ["off", "on"], 5, args.max_tokens))  # warm-up
         names = ["off", "on", "off#again"]
         samples: dict[str, list] = {n: [] for n in names}
+        per_round: list[dict[str, dict[str, float]]] = []
         for i in range(args.rounds):
             order = names[i % 3:] + names[:i % 3]
-            for name, got in asyncio.run(_round(url, order, args.requests, args.max_tokens)).items():
-                samples[name] += got
+            got = asyncio.run(_round(url, order, args.requests, args.max_tokens))
+            per_round.append({name: _summary(s) for name, s in got.items()})
+            for name, s in got.items():
+                samples[name] += s
         shadow = httpx.get(f"{url['on']}/gateway/status", timeout=5).json()["shadow"]
     finally:
         for proc in procs.values():
@@ -159,8 +163,11 @@ def main() -> int:
         print(f"{n:<10} {t['median_ttft_ms']:>12.2f} {t['p90_ttft_ms']:>10.2f} {t['median_e2el_ms']:>12.2f} "
               f"{t['p90_e2el_ms']:>10.2f}")
     for key in ("median_ttft_ms", "median_e2el_ms"):
+        rounds = [(r["on"][key] / r["off"][key], r["off#again"][key] / r["off"][key]) for r in per_round]
         print(f"{key}: on/off {table['on'][key] / table['off'][key]:.3f}, "
-              f"off-again/off (noise) {table['off#again'][key] / table['off'][key]:.3f}")
+              f"off-again/off (noise) {table['off#again'][key] / table['off'][key]:.3f}; per round on/off "
+              f"{min(a for a, _ in rounds):.3f}..{max(a for a, _ in rounds):.3f}, noise "
+              f"{min(b for _, b in rounds):.3f}..{max(b for _, b in rounds):.3f}")
     print(f"shadow legs: started {shadow['started']}, compared {shadow['compared']}, dropped {shadow['dropped']}")
     print(f"load average at end: {os.getloadavg()}")
     return 0

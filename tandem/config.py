@@ -5,6 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tandem.disagg.peers import PeerAllowlist
 
 _DTYPES = ("bfloat16", "float32")
 QUANTIZATION_METHODS = ("int8", "int4")
@@ -222,6 +226,9 @@ class KVTransferConfig:
     unreachable or the transfer fails; "fail" ends the request with an error (HTTP 503).
     ``lease_ttl_s``: seconds the producer holds a finished prefill's blocks unless renewed.
     ``transfer_timeout_s``: seconds the decode side waits for the producer's next message.
+    ``prefill_hosts``: the producers a decode leg's ``remote_host`` / ``remote_port`` may name (IPs, CIDR
+    networks, host names, each optionally ``:port``; ``disagg/peers.py``); None: loopback and this
+    engine's own ``kv_ip``. Any other is refused with an HTTP 400 naming the host.
     """
 
     kv_connector: str = "TandemConnector"
@@ -235,6 +242,7 @@ class KVTransferConfig:
     lease_ttl_s: float = 30.0
     transfer_timeout_s: float = 10.0
     kv_buffer_device: str = "cpu"
+    prefill_hosts: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.kv_connector not in KV_CONNECTORS:
@@ -254,10 +262,32 @@ class KVTransferConfig:
             raise ConfigError(f"kv_buffer_device must be 'cpu' (Tandem runs on CPUs), got {self.kv_buffer_device!r}")
         if not self.kv_ip:
             raise ConfigError("kv_ip must not be empty")
+        self._check_prefill_hosts()
         if self.is_producer and not is_loopback_host(self.kv_ip) and self.shared_secret() is None:
             raise ConfigError(
                 f"refusing to serve KV blocks on {self.kv_ip}:{self.kv_port} without a shared secret: the KV "
                 f"cache holds what users wrote; set \"secret_file\" (or ${KV_SECRET_ENV}), or use kv_ip 127.0.0.1")
+
+    def _check_prefill_hosts(self) -> None:
+        hosts = self.prefill_hosts
+        if hosts is None:
+            return
+        if isinstance(hosts, str) or not isinstance(hosts, list | tuple) or not all(isinstance(h, str) for h in hosts):
+            raise ConfigError(f"prefill_hosts must be a list of hosts like [\"10.0.0.5\", \"10.0.1.0/24\", "
+                              f"\"prefill-a:14579\"], got {hosts!r}")
+        object.__setattr__(self, "prefill_hosts", tuple(hosts))
+        from tandem.disagg.peers import PeerAllowlist
+
+        try:
+            PeerAllowlist(self.prefill_hosts)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def prefill_peers(self) -> PeerAllowlist:
+        """The decode side's allowlist of producers (``disagg/peers.py``)."""
+        from tandem.disagg.peers import PeerAllowlist
+
+        return PeerAllowlist(self.prefill_hosts, self.kv_ip if self.is_producer else None)
 
     @property
     def is_producer(self) -> bool:

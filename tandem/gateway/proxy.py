@@ -26,7 +26,7 @@ from tandem.gateway.capture import Capture, StreamTap, capture_body
 from tandem.gateway.config import CANDIDATE, PRIMARY, GatewayConfig, redact_text
 from tandem.gateway.health import STATE_CODES, CircuitBreaker, RetryBudget
 from tandem.gateway.metrics import GatewayMetrics
-from tandem.gateway.rewrite import AnswerFilter, rewrite_request
+from tandem.gateway.rewrite import AnswerFilter, listing_rewrite, rewrite_request
 from tandem.gateway.shadow import ShadowRunner
 from tandem.gateway.upstream import (
     BACKEND_HEADER,
@@ -195,7 +195,8 @@ class Gateway:
                 break
             tried += 1
             backend = self.backends[name]
-            rewrite = rewrite_request(backend, raw, parsed, generation)
+            rewrite = listing_rewrite(backend, raw) if request.method == "GET" and path == "models" \
+                else rewrite_request(backend, raw, parsed, generation)
             try:
                 opened = await open_attempt(
                     self.client, backend, request.method, f"v1/{path}", request.url.query,

@@ -3,7 +3,8 @@
 Two changes, both invisible to the client:
 - model-name mapping: a backend whose `model_map` renames the client's `model` gets its own name,
   and every `"model": "<backend name>"` in its answer (the JSON body, each SSE chunk) is given back
-  as the client's name, as LiteLLM answers with the model name the client asked for;
+  as the client's name, as LiteLLM answers with the model name the client asked for; in a model
+  list (`GET /v1/models`) each mapped `"id"` is given back the same way;
 - stream usage: a streamed request that did not ask for `stream_options.include_usage` is sent with
   it, so that the gateway can count the request's tokens; the answer's final usage chunk
   (`choices: []`) and the `"usage": null` that OpenAI-style servers then add to every other chunk
@@ -30,23 +31,31 @@ _USAGE_NULL_FIRST = re.compile(rb'(?<=\{)\s*"usage"\s*:\s*null\s*(,\s*)?')
 
 @dataclass(frozen=True)
 class Rewrite:
-    """One request as sent to one backend. body: the bytes to send; client_model / backend_model:
-    the client's model name and the backend's, when the backend's map renamed it (else None);
-    usage_added: the gateway asked for stream usage that the client did not."""
+    """One request as sent to one backend. body: the bytes to send; renames: (JSON key, the
+    backend's model name, the client's) to give back in the answer; usage_added: the gateway asked
+    for stream usage that the client did not."""
 
     body: bytes
-    client_model: str | None = None
-    backend_model: str | None = None
+    renames: tuple[tuple[str, str, str], ...] = ()
     usage_added: bool = False
 
     @property
     def changes_answer(self) -> bool:
-        return self.client_model is not None or self.usage_added
+        return bool(self.renames) or self.usage_added
 
 
 def _wants_usage(parsed: dict[str, Any]) -> bool:
     options = parsed.get("stream_options")
     return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def listing_rewrite(backend: BackendConfig, raw: bytes) -> Rewrite:
+    """A `GET /v1/models` for `backend`: the body unchanged, each mapped model id given back (when
+    two client names map to one backend name, the first one)."""
+    back: dict[str, str] = {}
+    for client, own in backend.model_map.items():
+        back.setdefault(own, client)
+    return Rewrite(raw, tuple(("id", own, client) for own, client in back.items()))
 
 
 def rewrite_request(backend: BackendConfig, raw: bytes, parsed: Any, generation: bool) -> Rewrite:
@@ -56,11 +65,11 @@ def rewrite_request(backend: BackendConfig, raw: bytes, parsed: Any, generation:
     if not isinstance(parsed, dict):
         return Rewrite(raw)
     changed: dict[str, Any] = {}
-    client_model = backend_model = None
+    renames: tuple[tuple[str, str, str], ...] = ()
     model = parsed.get("model")
     if isinstance(model, str) and model in backend.model_map:
-        client_model, backend_model = model, backend.model_map[model]
-        changed["model"] = backend_model
+        renames = (("model", backend.model_map[model], model),)
+        changed["model"] = backend.model_map[model]
     usage_added = generation and parsed.get("stream") is True and not _wants_usage(parsed)
     if usage_added:
         options = parsed.get("stream_options")
@@ -70,7 +79,13 @@ def rewrite_request(backend: BackendConfig, raw: bytes, parsed: Any, generation:
         changed["stream_options"] = {**options, "include_usage": True}
     if not changed:
         return Rewrite(raw)
-    return Rewrite(json.dumps({**parsed, **changed}).encode(), client_model, backend_model, usage_added)
+    return Rewrite(json.dumps({**parsed, **changed}).encode(), renames, usage_added)
+
+
+def _either_escaping(name: str) -> bytes:
+    """A pattern for `name` as a JSON string, non-ASCII characters escaped or not."""
+    forms = {json.dumps(name).encode(), json.dumps(name, ensure_ascii=False).encode()}
+    return b"(?:" + b"|".join(re.escape(f) for f in sorted(forms)) + b")"
 
 
 class AnswerFilter:
@@ -80,21 +95,19 @@ class AnswerFilter:
 
     def __init__(self, rewrite: Rewrite) -> None:
         self.rewrite = rewrite
-        self._model: re.Pattern[bytes] | None = None
-        if rewrite.client_model is not None:
-            name = re.escape(json.dumps(rewrite.backend_model).encode())
-            self._model = re.compile(rb'([{,]\s*"model"\s*:\s*)' + name)
-            self._client = json.dumps(rewrite.client_model).encode()
+        self._renames = [(re.compile(rb'([{,]\s*' + re.escape(json.dumps(key).encode()) + rb'\s*:\s*)'
+                                     + _either_escaping(own) + rb'(?=\s*[,}])'),
+                          json.dumps(client, ensure_ascii=False).encode()) for key, own, client in rewrite.renames]
         self._pending = b""
         self._drop_blank = False
 
     def _rename(self, text: bytes) -> bytes:
-        if self._model is None:
-            return text
-        return self._model.sub(lambda m: m.group(1) + self._client, text)
+        for pattern, client in self._renames:
+            text = pattern.sub(lambda m, c=client: m.group(1) + c, text)
+        return text
 
     def json_body(self, raw: bytes) -> bytes:
-        """A whole JSON answer with the backend's model name given back as the client's."""
+        """A whole JSON answer with the backend's model names given back as the client's."""
         return self._rename(raw)
 
     def feed(self, chunk: bytes) -> bytes:

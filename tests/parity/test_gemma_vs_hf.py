@@ -6,7 +6,8 @@ logits. Soft-capping caps are small (attention 2, final 5) so that the tanh real
 float32: every position's logits within 1e-4 relative, alone and in 4-token prefill chunks, on the
 default attention backend (the avx2 kernel here) and on the torch reference; 32 greedy tokens alone and
 in a staggered batch of 8 with 3-token chunks; through the engine with a prefix-cache hit and
-speculative decoding (the checkpoint as its own draft, so 1 + k query rows are verified every step).
+speculative decoding (the checkpoint as its own draft, so 1 + k query rows are verified every step);
+in bfloat16, greedy tokens alone == in a batch.
 """
 
 from __future__ import annotations
@@ -70,11 +71,24 @@ def build_checkpoint(name: str, out_dir: Path) -> Path:
     return out_dir
 
 
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """``get(name) -> Path``: each checkpoint of ``MODELS`` built once per module."""
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = build_checkpoint(name, tmp_path_factory.mktemp(f"tiny-{name}"))
+        return built[name]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=MODELS)
-def pair(request, tmp_path_factory):
+def pair(request, checkpoint):
     from transformers import AutoModelForCausalLM
 
-    model_dir = build_checkpoint(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"))
+    model_dir = checkpoint(request.param)
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return request.param, model_dir, hf_model, make_runner(model_dir, num_blocks=160)
 
@@ -158,3 +172,31 @@ def test_engine_prefix_cache_hit_and_speculation(pair) -> None:
     stats = core.stats()
     assert stats.spec_num_drafts > 0 and stats.spec_acceptance_rate > 0.9, name
     assert core.scheduler.kv_cache_usage == 0.0
+
+
+@pytest.mark.parametrize("name", ["gemma2", "mistral_window"])
+def test_bf16_greedy_does_not_depend_on_the_batch(name, checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 (the kernels' dtype): a request's greedy tokens alone == inside a staggered batch of 8, while
+    its context crosses the window (Mistral: the fused C++ layer serves steps whose contexts fit in the
+    window, the per-op path with the windowed kernel the others)."""
+    from tandem.config import CacheConfig, EngineConfig, ModelConfig
+    from tandem.models import llama
+    from tandem.worker.model_runner import ModelRunner
+
+    fused_contexts: list[int] = []  # the longest context of each fused layer call
+    fused = llama.kernels.decoder_layer
+    monkeypatch.setattr(llama.kernels, "decoder_layer", lambda *a: fused_contexts.append(
+        int(a[10].seq_lens.max())) or fused(*a))
+    model_dir = checkpoint(name)
+    config = EngineConfig(model=ModelConfig(model=str(model_dir), dtype="bfloat16"),
+                          cache=CacheConfig(block_size=4, num_blocks=160), num_threads=1)
+    runner = ModelRunner(model_dir, config, progress=False)
+    runner.initialize_kv_cache(160)
+    prompts = [_prompt(3 + 2 * i, seed=10 + i) for i in range(8)]
+    alone = [run_greedy(runner, [p], 24)[0] for p in prompts]
+    assert len(set(map(tuple, alone))) == 8
+    assert run_greedy(runner, prompts, 24, chunk=3, stagger=1) == alone, name
+    if name == "mistral_window" and llama.registry.use("decoder_layer", tokens=1):
+        assert fused_contexts and max(fused_contexts) <= WINDOW
+    if name == "gemma2":
+        assert not fused_contexts

@@ -77,6 +77,8 @@ def test_answers_carry_the_client_model_name(backends):
         assert all(c.usage is None for c in chunks)
         status = httpx.get(f"{gw.url}/gateway/status", headers={"Authorization": f"Bearer {GW_KEY}"}).json()
         assert status["totals"]["completion_tokens"] == 6 and status["totals"]["prompt_tokens"] == 4
+        # the model list (from the primary) names the client's model, not the primary's own name
+        assert [m.id for m in client.models.list()] == ["stories"]
 
 
 def test_gateway_errors_name_the_backend(backends):

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tandem.gateway.config import BackendConfig, redact_text
-from tandem.gateway.rewrite import AnswerFilter, Rewrite, rewrite_request
+from tandem.gateway.rewrite import AnswerFilter, Rewrite, listing_rewrite, rewrite_request
 
 BACKEND = BackendConfig("candidate", "http://b:1", None, {"stories": "stories-next"})
 
@@ -43,7 +43,7 @@ def test_request_unchanged_unless_mapped_or_streamed_without_usage():
     r = rewrite_request(BACKEND, json.dumps(body).encode(), body, True)
     assert json.loads(r.body) == {"model": "stories-next", "stream": True, "zz": 1,
                                   "stream_options": {"continuous_usage_stats": False, "include_usage": True}}
-    assert (r.client_model, r.backend_model, r.usage_added) == ("stories", "stories-next", True)
+    assert (r.renames, r.usage_added) == ((("model", "stories-next", "stories"),), True)
     # a non-generation path (e.g. /v1/embeddings) is never asked for stream usage
     assert not rewrite_request(BACKEND, b'{"stream":true}', {"stream": True}, False).usage_added
 
@@ -62,10 +62,15 @@ def test_stream_gets_client_model_back_and_loses_the_usage_it_did_not_ask_for(pi
 
 
 def test_json_answer_model_mapped_back_text_untouched():
-    rewrite = Rewrite(b"", "stories", "stories-next")
+    rewrite = Rewrite(b"", (("model", "stories-next", "stories"),))
     raw = b'{"id":"x","model": "stories-next","choices":[{"text":"{\\"model\\": \\"stories-next\\"}"}]}'
     assert AnswerFilter(rewrite).json_body(raw) == raw.replace(b'"model": "stories-next"', b'"model": "stories"', 1)
     assert AnswerFilter(Rewrite(b"")).json_body(raw) == raw
+    # a model list names the client's models; an unmapped one and other keys stay
+    backend = BackendConfig("c", "http://b:1", None, {"stories": "s-next", "alias": "s-next", "caf\u00e9": "b\u00e9"})
+    listing = '{"data":[{"id":"s-next","root":"s-next"},{"id":"b\u00e9"},{"id":"other"}]}'.encode()
+    assert AnswerFilter(listing_rewrite(backend, b"")).json_body(listing) == \
+        '{"data":[{"id":"stories","root":"s-next"},{"id":"caf\u00e9"},{"id":"other"}]}'.encode()
 
 
 def test_usage_null_as_first_key_and_crlf_lines():
