@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from tandem import kernels
 from tandem.attention.metadata import AttentionMetadata
-from tandem.attention.torch_ref import attend, gather_context
+from tandem.attention.torch_ref import attend_cached
 from tandem.kernels import registry
 
 _LongRow = tuple[int, int, int, int, int]  # (row, start, end, num_computed, seq_len)
@@ -98,20 +98,15 @@ class CpuPagedAttention:
         kernels.paged_attention(out, q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
                                 meta.seq_lens, meta.query_start_loc, scale, limit, window or 0, softcap or 0.0)
         for r, start, end, computed, seq_len in self._plan(meta, limit):
-            query = q[start:end].transpose(0, 1)  # [H, n, D]
-            if not plain:
-                keys = gather_context(k_cache, meta.block_tables[r], seq_len).transpose(0, 1)
-                values = gather_context(v_cache, meta.block_tables[r], seq_len).transpose(0, 1)
-                attn = attend(query, keys, values, computed + torch.arange(end - start), scale, window, softcap)
-            elif computed == 0:
+            if plain and computed == 0:
+                query = q[start:end].transpose(0, 1)  # [H, n, D]
                 keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
                 attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale,
                                                       enable_gqa=keys.shape[0] != query.shape[0])
+                out[start:end] = attn.transpose(0, 1)
             else:
-                keys = gather_context(k_cache, meta.block_tables[r], seq_len).transpose(0, 1)
-                values = gather_context(v_cache, meta.block_tables[r], seq_len).transpose(0, 1)
-                attn = attend(query, keys, values, computed + torch.arange(end - start), scale)
-            out[start:end] = attn.transpose(0, 1)
+                out[start:end] = attend_cached(q[start:end], k_cache, v_cache, meta.block_tables[r], computed,
+                                               seq_len, scale, window, softcap)
         return out
 
 

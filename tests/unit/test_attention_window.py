@@ -123,3 +123,29 @@ def test_kernel_window_is_batch_invariant(dtype: torch.dtype) -> None:
         assert torch.equal(_row(full, 16, pos, pos + 1, 21)[0], prefill[pos]), pos
         first = max(pos - 3, 0)
         assert torch.equal(_row(full, 16, first, min(first + 5, 120), 21)[pos - first], prefill[pos]), pos
+
+
+@pytest.mark.parametrize("route", ["torch_ref", "kernel", "cpu_paged_torch"])
+def test_blocks_before_the_window_are_not_read(route: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cache blocks wholly before every query's window are NaN: the outputs stay finite and exact (so
+    such blocks could be freed or reused)."""
+    if route != "torch_ref" and not kernels.available("paged_attention"):
+        pytest.skip(f"no paged_attention kernel: {kernels.unavailable_reason('paged_attention')}")
+    if route == "kernel" and not kernels.supports_window_softcap():
+        pytest.skip(f"the {kernels.backend()} kernels have no sliding window")
+    monkeypatch.setattr(kernels, "supports_window_softcap", lambda: route == "kernel")
+    window = 5
+    q, k, v, (kc, vc), meta = _step(torch.float32, seed=3)
+    write_kv_cache(k, v, kc, vc, meta.slot_mapping)  # as the backend will (again)
+    expected = dense_window(q, k, v, meta, kc, vc, 0.3, window, 0.0)
+    block = kc.shape[1]
+    poisoned = 0
+    for r, computed in enumerate(meta.num_computed.tolist()):
+        first_key = max(0, computed - window + 1)
+        for b in meta.block_tables[r, : first_key // block].tolist():
+            kc[b], vc[b] = float("nan"), float("nan")
+            poisoned += 1
+    assert poisoned >= 5  # the 37- and 9-token rows' early blocks
+    backend = TorchRefAttention() if route == "torch_ref" else CpuPagedAttention(max_query_len=2)
+    out = backend(q, k, v, kc, vc, meta, 0.3, window)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
