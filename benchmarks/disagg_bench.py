@@ -1,13 +1,21 @@
-"""KV transfer throughput of the P/D connector against a raw TCP socket copy of the same bytes.
+"""P/D disaggregation at equal cores: serving latency (TTFT, ITL, goodput) and KV transfer throughput, in one run.
 
-Two engines in this process (a prefill engine with ``kv_role`` kv_producer, a decode engine's runner
-with a ``KVPuller``) on loopback: the prefill engine computes a long prompt once (its blocks held
-under a lease), then the decode side pulls those blocks ``--repeats`` times (layer by layer, zero-copy
-frames, written into its own cache) while the prefill engine serves between its steps. The same
-number of bytes then goes through a plain TCP socket (``sendall`` from a thread, ``recv_into`` a
-preallocated buffer). Both are timed side by side in one run; the ratio is the figure of merit.
+1. Transfer: two engines in this process (a prefill engine with ``kv_role`` kv_producer, a decode engine's
+   runner with a ``KVPuller``) on loopback: the prefill engine computes a long prompt once (its blocks held
+   under a lease), then the decode side pulls those blocks ``--repeats`` times (layer by layer, zero-copy
+   frames, written into its own cache) while the prefill engine serves between its steps. The same number
+   of bytes then goes through a plain TCP socket (``sendall`` from a thread, ``recv_into`` a preallocated
+   buffer). The ratio pull / raw socket is the figure of merit.
+2. Serving (unless ``--no-serving``): one co-located ``tandem serve`` on cores 0,1 (2 threads) against a
+   prefill server on core 0 + a decode server on core 1 (1 thread each) behind ``tandem router --prefill
+   --decode --disagg-min-prompt-tokens`` (short prompts go straight to decode), one set-up at a time.
+   Load (``disagg_serving.py``): short-prompt chat streams (Poisson) alone, then the same with long prompts
+   arriving (Poisson) at each ``--scales`` multiple of both rates. Reported per run: TTFT and ITL p50/p99
+   of the short streams and of all requests, SLO attainment (TTFT and TPOT both met), and goodput as
+   DistServe defines it: the highest request rate at which >= 90% of requests meet both SLOs.
 
-    python benchmarks/disagg_bench.py --model default --prompt-tokens 2000 --repeats 5 [--synthetic]
+    python benchmarks/disagg_bench.py --model default --prompt-tokens 2000 --repeats 5 [--synthetic] \
+        [--long-tokens 2000 --short-rate 0.5 --long-rate 0.05 --scales 0.5,1,2 --window-s 60]
 """
 
 from __future__ import annotations
@@ -17,9 +25,13 @@ import json
 import os
 import socket
 import statistics
+import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import zmq
 
 from tandem.config import CacheConfig, EngineConfig, KVTransferConfig, ModelConfig, SchedulerConfig
 from tandem.disagg.consumer import KVPuller, PullJob
@@ -28,6 +40,11 @@ from tandem.engine.core import EngineCore
 from tandem.models.resolve import resolve_model_path
 from tandem.request import Request
 from tandem.sampling_params import SamplingParams
+
+try:
+    from disagg_serving import add_serving_args, run_serving
+except ImportError:  # NOTE: imported as benchmarks.disagg_bench
+    from benchmarks.disagg_serving import add_serving_args, run_serving
 
 
 def free_port() -> int:
@@ -66,23 +83,31 @@ def hold_blocks(core: EngineCore, num_tokens: int) -> dict:
             "remote_host": config.kv_ip, "remote_port": config.kv_port, "remote_lease_id": "bench-lease"}
 
 
-def pull_times(producer: EngineCore, puller: KVPuller, params: dict, repeats: int) -> tuple[list[float], int]:
+def pull_times(producer: EngineCore, puller: KVPuller, params: dict, repeats: int,
+               between: Callable[[], None]) -> tuple[list[float], int]:
+    """Seconds of each timed pull of the held blocks and the bytes one moves; ``between`` runs after each
+    timed pull (the raw-socket copy, so that both see the same machine load)."""
     blocks = params["remote_block_ids"]
     job = PullJob("bench", params["remote_host"], params["remote_port"], params["remote_lease_id"], blocks,
                   params["remote_block_generations"], list(range(len(blocks))))
+    poller = zmq.Poller()
+    for sock in (producer.kv_connector.server.socket, puller.wake):
+        poller.register(sock, zmq.POLLIN)
     seconds, num_bytes = [], 0
     for i in range(repeats + 1):  # NOTE: the first pull also connects and handshakes: not timed
         puller.submit(job)
         results = []
         while not results:
-            producer.step()
-            puller.wake.poll(1)  # NOTE: as the engine loop does: wait (GIL released) instead of spinning
+            ready = dict(poller.poll(1000))  # NOTE: as the engine loop does: sleep (GIL released) until a socket wakes
+            if producer.kv_connector.server.socket in ready:
+                producer.step()
             results = puller.results()
         if results[0].error:
             raise SystemExit(f"pull failed: {results[0].error}")
         if i:
             seconds.append(results[0].seconds)
             num_bytes = results[0].num_bytes
+            between()
     return seconds, num_bytes
 
 
@@ -129,7 +154,21 @@ def main() -> None:
     ap.add_argument("--synthetic", action="store_true",
                     help="hold blocks for --prompt-tokens without computing them (no prefill forward pass)")
     ap.add_argument("--output", default=None, help="write the results as JSON here")
+    add_serving_args(ap)
     args = ap.parse_args()
+    result = {"command": " ".join(sys.argv), "loadavg_start": os.getloadavg(),
+              "transfer": transfer(args)}
+    print(json.dumps(result["transfer"], indent=2), flush=True)
+    if not args.no_serving:
+        result["serving"] = run_serving(args)
+    result["loadavg_end"] = os.getloadavg()
+    print(json.dumps({k: v for k, v in result.items() if k != "transfer"}, indent=2))
+    if args.output:
+        Path(args.output).write_text(json.dumps(result, indent=2))
+
+
+def transfer(args: argparse.Namespace) -> dict:
+    """The KV pull vs the raw socket (part 1 of the module docstring)."""
     model = resolve_model_path(None if args.model == "default" else args.model)
     num_blocks = args.prompt_tokens // 16 + 8
     producer = prefill_engine(model, args.dtype, num_blocks)
@@ -140,12 +179,16 @@ def main() -> None:
                                               cache=CacheConfig(num_blocks=num_blocks)), progress=False)
     puller = KVPuller(producer.kv_connector.ctx, kv_identity(consumer.runner), None, consumer.runner.kv_cache_groups,
                       timeout_s=60)
+    num_bytes = len(params["remote_block_ids"]) * sum(  # NOTE: K and V of every layer of every held block
+        k[0].nbytes + v[0].nbytes for layers in producer.runner.kv_cache_groups() for k, v in layers)
+    raw_s: list[float] = []
     try:
-        pull_s, num_bytes = pull_times(producer, puller, params, args.repeats)
+        pull_s, pulled = pull_times(producer, puller, params, args.repeats,
+                                    lambda: raw_s.extend(raw_socket_times(num_bytes, 1)))
     finally:
         puller.close()
         producer.close()
-    raw_s = raw_socket_times(num_bytes, args.repeats)
+    assert pulled == num_bytes, (pulled, num_bytes)
     pull_gbs = num_bytes / statistics.median(pull_s) / 1e9
     raw_gbs = num_bytes / statistics.median(raw_s) / 1e9
     result = {"model": str(model), "dtype": args.dtype, "prompt_tokens": args.prompt_tokens,
@@ -153,9 +196,8 @@ def main() -> None:
               "pull_s_median": statistics.median(pull_s), "raw_socket_s_median": statistics.median(raw_s),
               "pull_GBps": round(pull_gbs, 3), "raw_socket_GBps": round(raw_gbs, 3),
               "ratio": round(pull_gbs / raw_gbs, 3), "loadavg": os.getloadavg()}
-    print(json.dumps(result, indent=2))
-    if args.output:
-        Path(args.output).write_text(json.dumps(result, indent=2))
+    del producer, consumer
+    return result
 
 
 if __name__ == "__main__":

@@ -68,7 +68,8 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_bind_default: str = "none", 
     p.add_argument("--kv-transfer-config", default=None, metavar="JSON",
                    help='disaggregated prefill/decode, as vLLM spells it: \'{"kv_connector":"TandemConnector",'
                         '"kv_role":"kv_producer"|"kv_consumer"|"kv_both","kv_port":14579}\' (also kv_ip, engine_id, '
-                        'secret_file, prefill_failure_policy fail|local, lease_ttl_s, transfer_timeout_s)')
+                        'secret_file, prefill_failure_policy fail|local, lease_ttl_s, transfer_timeout_s, '
+                        'prefill_hosts: the producers a decode leg may name, default loopback)')
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-method", default=None, choices=SPECULATIVE_METHODS,
                    help="draft proposer (default: no speculation)")

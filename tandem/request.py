@@ -56,6 +56,8 @@ class Request:
     skips it meanwhile without blocking the queue behind it. ``priority`` (from the sampling
     params) orders the queue under the "priority" policy. ``kv_lease_id``: when set, the request's
     blocks are held under this lease when it finishes (not when aborted) instead of being freed.
+    ``block_hash_root``: the parent hash of its first KV block (None: ``hashing.ROOT_HASH``), set by
+    ``EngineCore.add_request`` from ``ModelRunner.block_hash_root``.
     """
 
     request_id: str
@@ -79,6 +81,7 @@ class Request:
     num_accepted_tokens: int = 0
     ready_check: Callable[[], bool] | None = None
     kv_lease_id: str | None = None
+    block_hash_root: int | None = None
 
     @property
     def priority(self) -> int:

@@ -92,6 +92,11 @@ TINY_MODELS = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3")
 #   olmoe       q/k norms over the whole projection, clip_qkv
 #   granitemoe  embedding / residual / attention multipliers, logits scaling, top-k-then-softmax router
 TINY_MOE_MODELS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe")
+# Phi-3 (tests/parity/test_phi3_vs_hf.py), same sizes, fused qkv_proj / gate_up_proj tensors:
+#   phi3           default rope, tied embeddings
+#   phi3_longrope  longrope with original_max_position_embeddings 32 (of 256: attention factor 1.27),
+#                  written in the legacy layout (rope_scaling type "su"), untied
+TINY_PHI3_MODELS = ("phi3", "phi3_longrope")
 TINY_VOCAB = 128
 _TINY_COMMON = dict(
     vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -116,6 +121,8 @@ def _tiny_config(name: str):
         return tf.Qwen2Config(**_TINY_COMMON, tie_word_embeddings=True)
     if name == "qwen3":
         return tf.Qwen3Config(**_TINY_COMMON, head_dim=32, tie_word_embeddings=False)
+    if name in TINY_PHI3_MODELS:
+        return _tiny_phi3_config(name == "phi3_longrope")
     moe = {k: v for k, v in _TINY_COMMON.items() if k != "intermediate_size"}
     if name == "qwen3_moe":
         return tf.Qwen3MoeConfig(**moe, intermediate_size=96, moe_intermediate_size=32, head_dim=32, num_experts=8,
@@ -134,7 +141,22 @@ def _tiny_config(name: str):
         return tf.GraniteMoeConfig(**moe, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
                                    embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
                                    logits_scaling=8.0, tie_word_embeddings=False)
-    raise ValueError(f"unknown tiny model {name!r}; choose from {TINY_MODELS + TINY_MOE_MODELS}")
+    raise ValueError(f"unknown tiny model {name!r}; choose from {TINY_MODELS + TINY_MOE_MODELS + TINY_PHI3_MODELS}")
+
+
+def _tiny_phi3_config(longrope: bool):
+    import torch
+    import transformers as tf
+
+    if not longrope:
+        return tf.Phi3Config(**_TINY_COMMON, tie_word_embeddings=True, pad_token_id=0)
+    g = torch.Generator().manual_seed(3)
+    half = _TINY_COMMON["hidden_size"] // _TINY_COMMON["num_attention_heads"] // 2
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": (1.0 + 0.5 * torch.rand(half, generator=g)).tolist(),
+            "long_factor": (1.0 + 7.0 * torch.rand(half, generator=g)).tolist()}
+    return tf.Phi3Config(**_TINY_COMMON, tie_word_embeddings=False, pad_token_id=0, rope_parameters=rope,
+                         original_max_position_embeddings=32)
 
 
 def build_tiny_checkpoint(name: str, out_dir: Path) -> Path:
@@ -165,6 +187,15 @@ def build_tiny_checkpoint(name: str, out_dir: Path) -> Path:
         rope = cfg.pop("rope_parameters")
         cfg["rope_theta"] = rope.pop("rope_theta")
         cfg["rope_scaling"] = {"type": rope.pop("rope_type"), **rope}
+        path.write_text(json.dumps(cfg, indent=2))
+    if name == "phi3_longrope":
+        # NOTE: the Phi-3-mini-128k layout: rope_scaling with longrope's old name "su".
+        path = out_dir / "config.json"
+        cfg = json.loads(path.read_text())
+        rope = cfg.pop("rope_parameters")
+        cfg["rope_theta"] = rope.pop("rope_theta")
+        cfg["rope_scaling"] = {"type": "su", "short_factor": rope["short_factor"], "long_factor": rope["long_factor"],
+                               "original_max_position_embeddings": 32}
         path.write_text(json.dumps(cfg, indent=2))
     return out_dir
 

@@ -9,6 +9,12 @@ Per layer and step: one kernel call stores this step's K/V and attends every row
 of the context). A row with more query tokens runs ``F.scaled_dot_product_attention``: directly on
 its new q/k/v when nothing of it is cached (``is_causal``), else on its context gathered through
 the block table (as the reference does). Results match ``TorchRefAttention`` (tests/unit).
+
+Sliding-window layers and attention soft-capping (``window``, ``softcap``) go to the kernel where the
+loaded variant implements them (``kernels.supports_window_softcap``: ``avx2``); elsewhere the rows they
+change (every row with a cap; with a window, the rows whose context is longer than it) run the SDPA /
+explicit-score path of ``torch_ref.attend``, which applies both. A window no shorter than a row's
+context is full attention and is dropped for that row.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import torch.nn.functional as F
 
 from tandem import kernels
 from tandem.attention.metadata import AttentionMetadata
-from tandem.attention.torch_ref import gather_context
+from tandem.attention.torch_ref import attend_cached
 from tandem.kernels import registry
 
 _LongRow = tuple[int, int, int, int, int]  # (row, start, end, num_computed, seq_len)
@@ -34,7 +40,8 @@ class CpuPagedAttention:
     length run through ``kernels.paged_attention``, as the fused decoder layer needs.
 
     The per-step row plan (which rows are long) is computed on the first layer's call and reused by
-    the other layers of that step (keyed by the identity of the step's ``AttentionMetadata``).
+    the other layers of that step (keyed by the identity of the step's ``AttentionMetadata`` and the
+    kernel's row limit, which is 0 for a windowed or soft-capped layer the kernel cannot serve).
     """
 
     def __init__(self, max_query_len: int | None = None) -> None:
@@ -42,25 +49,29 @@ class CpuPagedAttention:
             max_query_len = registry.max_tokens("paged_attention")
         self.max_query_len = max_query_len
         self._meta: AttentionMetadata | None = None
-        self._long_rows: list[_LongRow] = []
+        self._max_seq_len = 0
+        self._plans: dict[int, list[_LongRow]] = {}
 
     @property
     def kernel_max_query_len(self) -> int:
         """Rows with at most this many query tokens are attended by ``kernels.paged_attention``."""
         return self.max_query_len
 
-    def _plan(self, meta: AttentionMetadata) -> list[_LongRow]:
+    def _plan(self, meta: AttentionMetadata, limit: int) -> list[_LongRow]:
+        """The rows with more than ``limit`` query tokens: ``(row, start, end, num_computed, seq_len)``."""
         if meta is not self._meta:
+            self._meta, self._plans = meta, {}
+            self._max_seq_len = int(meta.seq_lens.max()) if meta.num_reqs else 0
+        if limit not in self._plans:
             starts = meta.query_start_loc.tolist()
             computed = meta.num_computed.tolist()
             seq_lens = meta.seq_lens.tolist()
-            self._long_rows = [
-                (r, starts[r], starts[r + 1], computed[r], seq_lens[r])
-                for r in range(len(seq_lens))
-                if starts[r + 1] - starts[r] > self.max_query_len
+            self._plans[limit] = [
+                (r, starts[r], starts[r + 1], computed[r], seq_len)
+                for r, seq_len in enumerate(seq_lens)
+                if starts[r + 1] - starts[r] > limit
             ]
-            self._meta = meta
-        return self._long_rows
+        return self._plans[limit]
 
     def __call__(
         self,
@@ -71,27 +82,40 @@ class CpuPagedAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """``q [T, H, D]``, ``k, v [T, KV, D]``, caches ``[N, B, KV, D]`` -> ``[T, H, D]``.
+        """``q [T, H, D]``, ``k, v [T, KV, D]``, caches ``[N, B, KV, D]`` -> ``[T, H, D]``; ``window``
+        (tokens) and ``softcap`` as in ``AttentionBackend``.
 
         Changes: writes this step's k/v into the caches at ``meta.slot_mapping``.
         """
         out = torch.empty(q.shape, dtype=q.dtype)
-        kernels.paged_attention(out, q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
-                                meta.seq_lens, meta.query_start_loc, scale, self.max_query_len)
-        for r, start, end, computed, seq_len in self._plan(meta):
-            query = q[start:end].transpose(0, 1)  # [H, n, D]
-            if computed == 0:
+        long_rows = self._plan(meta, self.max_query_len)  # NOTE: also sets _max_seq_len for this step
+        if window is not None and window >= self._max_seq_len:
+            window = None  # every key of every row is inside the window
+        caches = (k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+        if (window is None and softcap is None) or kernels.supports_window_softcap():
+            kernels.paged_attention(out, q, k, v, *caches, scale, self.max_query_len, window or 0, softcap or 0.0)
+            rows = long_rows
+        else:
+            # NOTE: a kernel without the window / cap serves only the rows they cannot change (a row's
+            # route depends on itself alone, so its result does not depend on the rest of the batch).
+            limit = 0 if softcap is not None else self.max_query_len
+            kernels.paged_attention(out, q, k, v, *caches, scale, limit)
+            rows = [row for row in self._plan(meta, 0)
+                    if row[2] - row[1] > limit or (window is not None and row[4] > window)]
+        for r, start, end, computed, seq_len in rows:
+            row_window = window if window is not None and seq_len > window else None
+            if row_window is None and softcap is None and computed == 0:
+                query = q[start:end].transpose(0, 1)  # [H, n, D]
                 keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
-                mask, causal = None, True
+                attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale,
+                                                      enable_gqa=keys.shape[0] != query.shape[0])
+                out[start:end] = attn.transpose(0, 1)
             else:
-                keys = gather_context(k_cache, meta.block_tables[r], seq_len).transpose(0, 1)
-                values = gather_context(v_cache, meta.block_tables[r], seq_len).transpose(0, 1)
-                query_pos = computed + torch.arange(end - start)
-                mask, causal = torch.arange(seq_len)[None, :] <= query_pos[:, None], False
-            attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=causal,
-                                                  scale=scale, enable_gqa=keys.shape[0] != query.shape[0])
-            out[start:end] = attn.transpose(0, 1)
+                out[start:end] = attend_cached(q[start:end], k_cache, v_cache, meta.block_tables[r], computed,
+                                               seq_len, scale, row_window, softcap)
         return out
 
 

@@ -101,9 +101,13 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """``q [T, H, D]``, ``k, v [T, KV, D]``; caches ``[num_blocks, block_size, KV, D]``.
 
-        Writes k/v into the caches at ``meta.slot_mapping`` and returns ``[T, H, D]``.
+        Writes k/v into the caches at ``meta.slot_mapping`` and returns ``[T, H, D]``. ``window``: a
+        query at position p attends to keys ``p - window + 1 .. p`` only (a sliding-window layer; None:
+        ``0 .. p``). ``softcap``: scaled scores become ``softcap * tanh(s / softcap)`` before the softmax.
         """
         ...

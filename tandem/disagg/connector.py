@@ -42,7 +42,7 @@ from tandem.request import Request
 logger = logging.getLogger(__name__)
 
 _COUNTERS = ("pulls", "pull_failures", "local_prefills", "prefix_hits", "bytes_received", "pull_seconds",
-             "pulls_served", "bytes_sent", "peers_refused", "pull_errors_served")
+             "pulls_served", "bytes_sent", "peers_refused", "pull_errors_served", "remote_hosts_refused")
 
 
 def prompt_digest(token_ids: list[int]) -> str:
@@ -118,6 +118,7 @@ class TandemConnector:
             if config.is_producer else None
         self.puller = KVPuller(self.ctx, identity, secret, runner.kv_cache_groups, config.transfer_timeout_s) \
             if config.is_consumer else None
+        self.peers = config.prefill_peers() if config.is_consumer else None
         self._leases: dict[str, tuple[str, str]] = {}  # prefill leg id -> (its lease id, prompt digest)
         self._pending: dict[str, _Pending] = {}  # decode legs waiting for free blocks
         self._pulling: dict[str, RemotePrefill] = {}  # decode legs whose pull is queued or running
@@ -144,7 +145,8 @@ class TandemConnector:
         Changes: the scheduler's queues and block tables, this connector's tables.
         Raises:
             ValueError (HTTP 400): params this engine's role cannot serve, ``n > 1`` on a prefill leg,
-                or a decode leg whose prompt differs from its prefill leg's; as ``Scheduler.add_request``.
+                a decode leg naming a producer outside ``prefill_hosts`` (``disagg/peers.py``), or one
+                whose prompt differs from its prefill leg's; as ``Scheduler.add_request``.
         """
         params = request.sampling_params.kv_transfer_params
         if not params:
@@ -165,11 +167,16 @@ class TandemConnector:
             raise ValueError("kv_transfer_params.do_remote_prefill needs a decode engine (--kv-transfer-config "
                              "kv_role kv_consumer or kv_both)")
         remote = RemotePrefill.parse(params)
+        refusal = self.peers.refusal(remote.host, remote.port)
+        if refusal is not None:  # NOTE: before any connection: the client chose this address
+            self.counters["remote_hosts_refused"] += 1
+            logger.warning("request %s refused: %s", request.request_id, refusal)
+            raise ValueError(refusal)
         if remote.digest is not None and remote.digest != prompt_digest(request.prompt_token_ids):
             raise ValueError("kv_transfer_params belong to another prompt (remote_prompt_digest differs): send "
                              "the decode leg the prefill leg's prompt")
-        self.puller.renew(remote.host, remote.port, [remote.lease_id])
-        if not self._start(request, remote):
+        if not self._start(request, remote):  # NOTE: a pull queued now renews the lease as its first message
+            self.puller.renew(remote.host, remote.port, [remote.lease_id])
             self._pending[request.request_id] = _Pending(request, remote, self.clock() + self._renew_every)
         return True
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 import zmq
 
@@ -40,6 +41,7 @@ from tandem.disagg.messages import (
     ToConsumer,
 )
 from tandem.engine.handshake import sign
+from tandem.kv_cache.transfer import write_rows
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +93,7 @@ class KVPuller:
         self._commands: queue.Queue = queue.Queue()
         self._results: queue.Queue[PullResult] = queue.Queue()
         self._peers: dict[tuple[str, int], zmq.Socket] = {}
+        self._unreachable: dict[tuple[str, int], tuple[str, float]] = {}  # a renew's failed handshake: why, when
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ToConsumer)
         self._xfer_ids = iter(range(1, 1 << 62))
@@ -149,21 +152,38 @@ class KVPuller:
     def _send_quietly(self, address: tuple[str, int], message: Any) -> None:
         if isinstance(message, ReleaseLeases) and address not in self._peers:
             return  # NOTE: no connection (the producer is gone or never answered): its leases expire
+        if self._recent_failure(address, keep=True) is not None:
+            return  # NOTE: the next pull reports it; handshaking again would be refused (and counted) again
         try:
             self._peer(address).send(self._encoder.encode(message), zmq.NOBLOCK)
-        except (TransferError, zmq.ZMQError) as e:
+        except TransferError as e:
+            self._unreachable[address] = (str(e), time.monotonic())
+            logger.warning("KV transfer: could not reach %s:%d to send %s: %s", *address,
+                           type(message).__name__, e)
+        except zmq.ZMQError as e:
             logger.warning("KV transfer: could not reach %s:%d to send %s: %s", *address,
                            type(message).__name__, e)
 
     def _pull(self, job: PullJob) -> PullResult:
         t0 = time.monotonic()
         address = (job.host, job.port)
+        reason = self._recent_failure(address, keep=False)
+        if reason is not None:  # NOTE: one handshake per failure, so a refusal is counted once
+            return PullResult(job.request_id, reason, 0, 0.0)
         try:
             num_bytes = self._fetch(self._peer(address), job)
         except (TransferError, zmq.ZMQError) as e:
             self._drop(address)
             return PullResult(job.request_id, f"{e}", 0, time.monotonic() - t0)
         return PullResult(job.request_id, None, num_bytes, time.monotonic() - t0)
+
+    def _recent_failure(self, address: tuple[str, int], keep: bool) -> str | None:
+        """Why a renew's handshake with ``address`` failed within the last ``timeout_s``, or None."""
+        failure = self._unreachable.get(address) if keep else self._unreachable.pop(address, None)
+        if failure is None or time.monotonic() - failure[1] > self.timeout_ms / 1000:
+            self._unreachable.pop(address, None)
+            return None
+        return failure[0]
 
     def _recv(self, sock: zmq.Socket, what: str) -> tuple[Any, list[zmq.Frame]]:
         if not sock.poll(self.timeout_ms):
@@ -213,7 +233,7 @@ class KVPuller:
         sock.send(self._encoder.encode(PullKV(xfer_id, job.lease_id, job.remote_block_ids, job.generations)))
         caches = self.kv_cache_groups()
         expected = {(c, layer) for c, layers in enumerate(caches) for layer in range(len(layers))}
-        index = torch.tensor(job.local_block_ids, dtype=torch.int64)
+        index = np.asarray(job.local_block_ids, dtype=np.int64)
         num_bytes = 0
         while True:
             reply, frames = self._recv(sock, "KV blocks")
@@ -232,7 +252,7 @@ class KVPuller:
             if tuple(reply.shape) != shape:
                 raise TransferError(f"layer {reply.layer}: blocks of shape {reply.shape}, expected {list(shape)}")
             for cache, frame in ((k, frames[0]), (v, frames[1])):
-                cache.index_copy_(0, index, _as_tensor(frame, cache.dtype, shape))
+                write_rows(cache, index, _as_tensor(frame, cache.dtype, shape))
                 num_bytes += len(frame.buffer)
             expected.discard((reply.cache, reply.layer))
 

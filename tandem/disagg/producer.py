@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 import zmq
 
@@ -40,6 +41,7 @@ from tandem.disagg.messages import (
 )
 from tandem.engine.handshake import NONCE_BYTES, sign
 from tandem.kv_cache.leases import UnknownLeaseError
+from tandem.kv_cache.transfer import as_rows
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +202,7 @@ class KVTransferServer:
             logger.warning("KV transfer: refused a pull: %s", reason)
             self._send(peer, PullError(pull.xfer_id, reason))
             return
-        index = torch.tensor(pull.block_ids, dtype=torch.int64)
+        index = np.asarray(pull.block_ids, dtype=np.int64)
         first, n = pull.block_ids[0], len(pull.block_ids)
         # NOTE: consecutive ids (a fresh request's blocks usually are) are sent straight from the cache, no
         # copy: held blocks are never written, and the pull renewed their lease for longer than a send takes.
@@ -208,10 +210,10 @@ class KVTransferServer:
         num_bytes = 0
         for cache_index, layers in enumerate(self.kv_cache_groups()):
             for layer, (k, v) in enumerate(layers):
-                kb, vb = (k[first:first + n], v[first:first + n]) if run else (k.index_select(0, index),
-                                                                              v.index_select(0, index))
-                header = LayerHeader(pull.xfer_id, cache_index, layer, list(kb.shape))
-                self._send(peer, header, tensor_frame(kb), tensor_frame(vb))
+                shape = [n, *k.shape[1:]]
+                kb, vb = (tensor_frame(k[first:first + n]), tensor_frame(v[first:first + n])) if run else \
+                    (memoryview(as_rows(k)[index]), memoryview(as_rows(v)[index]))  # NOTE: numpy: one thread
+                self._send(peer, LayerHeader(pull.xfer_id, cache_index, layer, shape), kb, vb)
                 num_bytes += kb.nbytes + vb.nbytes
         self._send(peer, PullDone(pull.xfer_id, num_bytes))
         self.num_pulls += 1

@@ -148,7 +148,8 @@ class EngineCore:
         return self.scheduler.num_steps
 
     def add_request(self, request: Request) -> None:
-        """Queues ``request`` for scheduling (changes the scheduler's waiting queue). A request with
+        """Queues ``request`` for scheduling (changes the scheduler's waiting queue and
+        ``request.block_hash_root``). A request with
         structured output starts compiling its grammar in the runner's compile thread and waits
         (``Request.ready_check``) until it is built; the scheduler skips it meanwhile.
 
@@ -157,6 +158,7 @@ class EngineCore:
             ContextLengthExceededError: the prompt is longer than the context.
             ValueError: the request can never fit in the KV cache.
         """
+        request.block_hash_root = self.runner.block_hash_root(len(request.prompt_token_ids))
         if self._request_connector is None or not self._request_connector.add_request(request):
             self.scheduler.add_request(request)
         if request.sampling_params.structured_outputs is not None:

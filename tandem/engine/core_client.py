@@ -91,6 +91,8 @@ class EngineCoreClient:
         self.kernel_backend = "torch"  # the core's kernel path (``tandem/kernels/registry.py``), from Ready
         self.kernel_message = ""
         self.kv_events: dict[str, str] | None = None  # where the core publishes KV events, from Ready
+        self.core_pid: int | None = None  # the core's pid and host as it reported them, from Ready
+        self.core_host: str | None = None
 
     @classmethod
     def start(
@@ -165,6 +167,7 @@ class EngineCoreClient:
         """Records the core's limits, kernel path and KV events endpoints from its ``Ready``."""
         self.max_model_len, self.num_blocks, self.block_size = ready.max_model_len, ready.num_blocks, ready.block_size
         self.kernel_backend, self.kernel_message = ready.kernel_backend, ready.kernel_message
+        self.core_pid, self.core_host = ready.pid or None, ready.host or None
         self.kv_events = None if not ready.kv_events_endpoint else {
             "endpoint": ready.kv_events_endpoint, "replay_endpoint": ready.kv_events_replay_endpoint,
             "topic": ready.kv_events_topic}

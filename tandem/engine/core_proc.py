@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,8 @@ class Ready(msgspec.Struct, tag="ready"):
     and its kernel path (``kernel_backend``, ``kernel_message``: the start-up line; ``tandem/kernels/registry.py``).
 
     A networked core (``core_service``) also names its model (the folder's name) and vocabulary size,
-    so a front end can check that its tokenizer belongs to the same model.
+    so a front end can check that its tokenizer belongs to the same model, and its process id and
+    host name (``pid``, ``host``: for operators, in ``/load``; 0 / "" from older cores).
     """
 
     max_model_len: int
@@ -84,6 +86,8 @@ class Ready(msgspec.Struct, tag="ready"):
     kv_events_endpoint: str = ""  # where the core publishes KV events ("" = it does not; kv_cache/events.py)
     kv_events_replay_endpoint: str = ""
     kv_events_topic: str = ""
+    pid: int = 0
+    host: str = ""
 
 
 class AddResult(msgspec.Struct, tag="add_result"):
@@ -413,4 +417,4 @@ def make_ready(core: Any, config: EngineConfig, publisher: KVEventPublisher | No
         "kv_events_endpoint": publisher.endpoint, "kv_events_replay_endpoint": publisher.replay_endpoint or "",
         "kv_events_topic": publisher.topic.decode()}
     return Ready(core.max_model_len, getattr(core, "num_blocks", 0), config.cache.block_size, model, vocab_size,
-                 kernels.backend, kernels.message, **events)
+                 kernels.backend, kernels.message, **events, pid=os.getpid(), host=socket.gethostname())

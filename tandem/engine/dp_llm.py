@@ -128,11 +128,13 @@ class DataParallelLLM:
 
     def load(self) -> dict[str, Any]:
         """``AsyncLLM.load``'s keys summed over the serving engines, plus ``engines``: each engine's own
-        load with its rank, core pid (None for a remote core), restarts and the router's outstanding
-        requests / tokens for it."""
+        load with its rank, core pid and host (as the core reported them: a remote core's pid is on
+        its host), restarts and the router's outstanding requests / tokens for it."""
         per_engine = []
         for rank, (engine, backend) in enumerate(zip(self.engines, self.backends, strict=True)):
-            per_engine.append({**engine.load(), "engine": rank, "pid": engine.client.pid,
+            client = engine.client
+            per_engine.append({**engine.load(), "engine": rank, "pid": client.core_pid or client.pid,
+                               "host": client.core_host,
                                "restarts": engine.supervisor.num_restarts,
                                "outstanding_requests": backend.outstanding_requests,
                                "outstanding_tokens": backend.outstanding_tokens})

@@ -109,6 +109,26 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+AUTH_HINT = ("a cluster made by `ray start --head` uses token authentication by default in recent Ray "
+             "(2.60 here): run this server and `ray start --address` on the other nodes with RAY_AUTH_MODE=token "
+             "and the head's token (its ~/.ray/auth_token copied to the same path, or RAY_AUTH_TOKEN); "
+             "or start the head with RAY_AUTH_MODE=disabled")
+
+
+def _join(ray: Any, address: str | None) -> None:
+    """``ray.init`` at ``address`` (None: ``$RAY_ADDRESS``, a running local cluster, else a new one).
+
+    Raises:
+        ValueError: the cluster cannot be joined (Ray's reason; with how to pass its token when this
+            process does not send one, the most common cause with a CLI-made cluster).
+    """
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    except (ConnectionError, RuntimeError) as e:
+        hint = "" if os.environ.get("RAY_AUTH_MODE") == "token" else f"; {AUTH_HINT}"
+        raise ValueError(f"cannot join the Ray cluster at {address or 'the default address'}: {e}{hint}") from None
+
+
 def _actor_class() -> Any:
     import ray
 
@@ -138,7 +158,7 @@ class RayEngines:
         parallel: ``data_parallel_size`` and ``ray_address`` (None: ``ray.init``'s default).
 
     Raises:
-        ValueError: ray is not installed.
+        ValueError: ray is not installed, or the cluster cannot be joined (``_join``).
     """
 
     supervisor_cls = RayCoreSupervisor
@@ -155,7 +175,7 @@ class RayEngines:
         self.secret = secrets.token_hex(32).encode()  # NOTE: per server; only its actors learn it
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
-            ray.init(address=parallel.ray_address, include_dashboard=False, log_to_driver=False)
+            _join(ray, parallel.ray_address)
         cpus = config.num_threads or max(1, int(ray.cluster_resources().get("CPU", 1)) // self.dp)
         # NOTE: Ray places the actor; pinning to core ids here would be guesswork about its node.
         self.config = dataclasses.replace(config, num_threads=cpus, cpu_bind="none")

@@ -2,11 +2,17 @@
 `/metrics` (Prometheus), `/health`.
 
 Client authentication: with an api_key, `/v1` requests need `Authorization: Bearer <key>` (401
-otherwise, OpenAI's body); the key is checked with `hmac.compare_digest` and never forwarded.
+otherwise, OpenAI's body); the key is checked with `hmac.compare_digest` and never forwarded. The
+status JSON and page need the same key, as a Bearer token or as the password of HTTP Basic
+credentials (any user name), so that a browser asks for it once and the page's live refresh sends
+it along. `/metrics` and `/health` stay open, as vLLM leaves them with `--api-key` (Prometheus
+scrapes without the clients' key); neither holds a URL, a key or any request text.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,11 +28,25 @@ from tandem.gateway.status_page import render_status_page
 from tandem.gateway.upstream import error_json
 
 
-def _authorized(request: Request, api_key: str | None) -> bool:
+def _authorized(request: Request, api_key: str | None, basic: bool = False) -> bool:
+    """True without an api_key, or when the request carries it (Bearer; with `basic` also as the
+    password of HTTP Basic credentials)."""
     if api_key is None:
         return True
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+    if basic and scheme.lower() == "basic":
+        try:
+            token = base64.b64decode(token.strip(), validate=True).decode().partition(":")[2]
+        except (binascii.Error, UnicodeDecodeError):
+            return False
+    elif scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+def _refused(challenge: str) -> JSONResponse:
+    body = error_json(401, "Incorrect API key provided.", "invalid_api_key")
+    return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": challenge})
 
 
 def build_gateway_app(config: GatewayConfig, gateway: Gateway | None = None) -> FastAPI:
@@ -48,16 +68,19 @@ def build_gateway_app(config: GatewayConfig, gateway: Gateway | None = None) -> 
     @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def proxy(path: str, request: Request) -> Response:
         if not _authorized(request, config.api_key):
-            body = error_json(401, "Incorrect API key provided.", "invalid_api_key")
-            return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            return _refused("Bearer")
         return await gw.handle(request, path)
 
     @app.get("/gateway/status")
-    async def status() -> JSONResponse:
+    async def status(request: Request) -> JSONResponse:
+        if not _authorized(request, config.api_key, basic=True):
+            return _refused("Bearer")
         return JSONResponse(gw.status())
 
     @app.get("/gateway/")
-    async def page() -> HTMLResponse:
+    async def page(request: Request) -> Response:
+        if not _authorized(request, config.api_key, basic=True):
+            return _refused('Basic realm="tandem gateway", charset="UTF-8"')
         return HTMLResponse(render_status_page(gw.status()))
 
     @app.get("/gateway")

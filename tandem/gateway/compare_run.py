@@ -19,7 +19,7 @@ import httpx
 from tandem.gateway.answer import answer_of
 from tandem.gateway.capture import Capture
 from tandem.gateway.compare import compare_answers, divergence_report, subtract_noise
-from tandem.gateway.config import BackendConfig
+from tandem.gateway.config import BackendConfig, redact_text
 from tandem.gateway.regression import FILLER, Case
 from tandem.gateway.upstream import fetch_capture
 
@@ -143,8 +143,8 @@ async def run_cases(a: Side, b: Side, cases: list[Case], timeout_s: float) -> di
     summary["failed_checks"] = sum(len(r["failed_checks"]["a"]) + len(r["failed_checks"]["b"]) for r in rows)
     summary["cases_with_differences_beyond_noise"] = sum(bool(r["diffs_beyond_noise"]) for r in rows)
     summary["cases_not_run"] = sum(r["not_run"] is not None for r in rows)
-    # NOTE: the sides' API keys are never written into a report
-    sides = {s.label: {"url": s.url, "model": s.model} for s in (a, b)}
+    # NOTE: the sides' API keys and URL userinfo are never written into a report
+    sides = {s.label: {"url": redact_text(s.url), "model": s.model} for s in (a, b)}
     return {**sides, "summary": summary, "cases": rows}
 
 

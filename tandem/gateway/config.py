@@ -8,11 +8,19 @@ fractions in [0, 1]. Every class validates itself in `__post_init__` and raises 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 PRIMARY, CANDIDATE = "primary", "candidate"
+_USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
+
+
+def redact_text(text: str) -> str:
+    """`text` (a backend URL, an error message, a log line) with the userinfo (`user:password@`) of
+    any URL in it replaced by `***@`: httpx sends a URL's userinfo as Basic credentials."""
+    return _USERINFO.sub("***@", text)
 
 
 def _fraction(name: str, value: float) -> None:
@@ -29,8 +37,9 @@ def _positive(name: str, value: float) -> None:
 class BackendConfig:
     """One upstream OpenAI-compatible server.
 
-    url: its root (a trailing `/v1` is tolerated); api_key: sent to it as `Authorization: Bearer`
-    instead of the client's key (None: no Authorization header); model_map: client model name ->
+    url: its root (a trailing `/v1` is tolerated; userinfo `user:password@` is sent as Basic
+    credentials and never shown); api_key: sent to it as `Authorization: Bearer` instead of the
+    client's key (None: no Authorization header; not with URL userinfo); model_map: client model name ->
     this backend's model name, rewritten in request bodies.
     """
 
@@ -41,7 +50,11 @@ class BackendConfig:
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"backend {self.name!r}: url must start with http:// or https://, got {self.url!r}")
+            raise ValueError(f"backend {self.name!r}: url must start with http:// or https://, "
+                             f"got {redact_text(self.url)!r}")
+        if self.api_key is not None and _USERINFO.search(self.url):
+            # NOTE: httpx would send the userinfo as Basic credentials in place of the key
+            raise ValueError(f"backend {self.name!r}: give its credentials as api_key or as URL userinfo, not both")
         object.__setattr__(self, "url", self.url.rstrip("/").removesuffix("/v1"))
 
 

@@ -72,8 +72,8 @@ def dry_run_steps(c: DrillConfig) -> list[str]:
 class Scraper:
     """Polls /metrics and /gateway/status; keeps what the continuity checks need."""
 
-    def __init__(self, client: httpx.AsyncClient, url: str) -> None:
-        self.client, self.url = client, url
+    def __init__(self, client: httpx.AsyncClient, url: str, headers: dict[str, str] | None = None) -> None:
+        self.client, self.url, self.headers = client, url, headers or {}
         self.good: list[float] = []
         self.failures = 0
         self.request_totals: list[float] = []
@@ -84,7 +84,8 @@ class Scraper:
     async def scrape(self) -> None:
         try:
             metrics = (await self.client.get(f"{self.url}/metrics")).raise_for_status().text
-            status = (await self.client.get(f"{self.url}/gateway/status")).raise_for_status().json()
+            status = await self.client.get(f"{self.url}/gateway/status", headers=self.headers)
+            status = status.raise_for_status().json()
         except (httpx.HTTPError, ValueError):
             self.failures += 1
             return
@@ -109,6 +110,20 @@ class Scraper:
             "requests_sent_by_drill": requests_sent, "event_log_gaps": missing,
             "events": [self.events[s] for s in seqs],
         }
+
+
+def verdict(report: dict[str, Any]) -> tuple[bool, str]:
+    """(passed, one sentence): a drill passes when every request ended up served by the primary
+    and no client request was lost, those in flight at the stop included (a client whose stream
+    broke lost its answer as much as one refused after the stop)."""
+    lost, flight = report["requests_lost"], report["in_flight_at_stop"]
+    if report["fallback_time_s"] is None:
+        return False, f"FAILED: requests were still not all served by the primary at the end; {lost} lost."
+    if lost:
+        in_flight, after = flight["ended_with_error_event"] + flight["failed_otherwise"], report["after_stop"]["lost"]
+        return False, (f"FAILED: {lost} client request(s) lost of {report['requests_total']}: {in_flight} in "
+                       f"flight at the stop, {after} started after it, {lost - in_flight - after} ended before it.")
+    return True, f"PASSED: fell back in {report['fallback_time_s']:.3f} s, no client request lost."
 
 
 def fallback_time(results: list[RequestResult], t_stop: float) -> float | None:
@@ -196,9 +211,10 @@ async def candidate_down_after(client: httpx.AsyncClient, url: str | None, limit
 async def _run(c: DrillConfig) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=c.timeout_s, limits=limits) as client:
-        scraper = Scraper(client, c.url)
+        scraper = Scraper(client, c.url, _auth(c))
         await scraper.scrape()
         if scraper.last_status is None:
+            await first_model(client, c)  # NOTE: raises the clear error when the key is missing or wrong
             raise ValueError(f"{c.url}/gateway/status did not answer: is it a tandem gateway?")
         before = scraper.last_status
         model = c.model or await first_model(client, c)
@@ -229,7 +245,7 @@ async def _run(c: DrillConfig) -> dict[str, Any]:
         "stop_output": output.decode("utf-8", "replace")[-2000:], "stop_command_took_s": stop_took,
         "candidate_down_after_s": down,
         "settings": {"rate": c.rate, "warmup_s": c.warmup_s, "observe_s": c.observe_s, "max_tokens": c.max_tokens},
-        "recovered": fb is not None, "fallback_time_s": fb,
+        "recovered": fb is not None, "fallback_time_s": fb, "passed": None, "verdict": "",
         "requests_total": len(results), "requests_lost": sum(not r.success for r in results),
         "before_stop": _phase(pre), "after_stop": _phase(post), "in_flight_at_stop": _in_flight(done, t_stop),
         "continuity": scraper.continuity(len(results)),
@@ -261,9 +277,12 @@ def _breakers(status: dict[str, Any]) -> dict[str, str]:
 
 
 def run_drill(c: DrillConfig) -> dict[str, Any]:
-    """Runs the drill (blocking) and returns its report document. Raises ValueError when the URL is
-    not a tandem gateway, httpx.HTTPError when it cannot be reached."""
-    return asyncio.run(_run(c))
+    """Runs the drill (blocking) and returns its report document, `passed` / `verdict` set by
+    `verdict`. Raises ValueError when the URL is not a tandem gateway, httpx.HTTPError when it
+    cannot be reached."""
+    report = asyncio.run(_run(c))
+    report["passed"], report["verdict"] = verdict(report)
+    return report
 
 
 def drill_markdown(r: dict[str, Any]) -> str:
@@ -277,6 +296,7 @@ def drill_markdown(r: dict[str, Any]) -> str:
         + ("the candidate's URL refused connections "
            f"{r['candidate_down_after_s']:.3f} s after it." if r["candidate_down_after_s"] is not None else
            "WARNING: the candidate's URL still answered 5 s after it (the command did not stop it)."), "",
+        f"**{r['verdict']}**", "",
         f"Fallback time: {fb}. Requests lost: {r['requests_lost']} of {r['requests_total']}.", "",
         "(Fallback time: from the stop to the start of the first request from which on every request was "
         "served by the primary with success; requests start one per 1/rate s, so that is its resolution. "

@@ -23,14 +23,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.gateway.canary import CanaryController, Outcome
 from tandem.gateway.capture import Capture, StreamTap, capture_body
-from tandem.gateway.config import CANDIDATE, PRIMARY, GatewayConfig
+from tandem.gateway.config import CANDIDATE, PRIMARY, GatewayConfig, redact_text
 from tandem.gateway.health import STATE_CODES, CircuitBreaker, RetryBudget
 from tandem.gateway.metrics import GatewayMetrics
+from tandem.gateway.rewrite import AnswerFilter, listing_rewrite, rewrite_request
 from tandem.gateway.shadow import ShadowRunner
 from tandem.gateway.upstream import (
+    BACKEND_HEADER,
     AttemptFailed,
     Opened,
-    backend_body,
     backend_headers,
     error_json,
     fetch_capture,
@@ -40,6 +41,12 @@ from tandem.gateway.upstream import (
 
 logger = logging.getLogger(__name__)
 GENERATION_PATHS = ("completions", "chat/completions")
+
+
+async def _chain(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    async for chunk in rest:
+        yield chunk
 
 
 class EventLog:
@@ -175,23 +182,30 @@ class Gateway:
 
     async def _attempts(self, request: Request, path: str, raw: bytes, parsed: Any, chosen: str,
                         generation: bool, shadow, start: float) -> Response:
+        failures: list[str] = []  # NOTE: each backend's configured name and why it did not answer
         last: AttemptFailed | None = None
         tried = 0
         for name in self.order(chosen):
             if not self.breakers[name].allow():
+                failures.append(f"{name}: circuit breaker open")
                 continue
             if tried and not self.budget.try_spend():
                 self.metrics.retry_budget_exhausted.inc()
+                failures.append(f"{name}: not tried, the retry budget is spent")
                 break
             tried += 1
             backend = self.backends[name]
+            own_path, rewrite = path, rewrite_request(backend, raw, parsed, generation)
+            if request.method == "GET" and (path == "models" or path.startswith("models/")):
+                own_path, rewrite = listing_rewrite(backend, raw, path)
             try:
                 opened = await open_attempt(
-                    self.client, backend, request.method, f"v1/{path}", request.url.query,
-                    backend_headers(backend, request.headers), backend_body(backend, raw, parsed),
+                    self.client, backend, request.method, f"v1/{own_path}", request.url.query,
+                    backend_headers(backend, request.headers), rewrite.body,
                     self.config.fallback.first_byte_timeout_s)
             except AttemptFailed as e:
                 last = e
+                failures.append(str(e))
                 self.metrics.attempt_failures.labels(name, e.reason).inc()
                 self._breaker(name, False)
                 if generation:
@@ -204,31 +218,36 @@ class Gateway:
             if name != chosen:
                 self.totals["fallbacks"] += 1
                 self.metrics.fallbacks.labels(chosen, name).inc()
-            return await self._relay(name, opened, generation, shadow, start)
+            return await self._relay(name, opened, AnswerFilter(rewrite), generation, shadow, start)
         if shadow is not None and not shadow.done():
             shadow.set_result(None)
-        return self._unavailable(last, tried)
+        return self._unavailable(last, failures)
 
-    def _unavailable(self, last: AttemptFailed | None, tried: int) -> Response:
-        """The answer when no backend answered: the last 5xx as it was, else 502/503/504."""
+    def _unavailable(self, last: AttemptFailed | None, failures: list[str]) -> Response:
+        """The answer when no backend answered: the last 5xx as it was (`x-tandem-backend` naming
+        who sent it), else the gateway's 502/503/504 whose message names each backend and why."""
         self.metrics.requests.labels("none", "unavailable").inc()
         if last is not None and last.status is not None:
             headers = {k: v for k, v in last.headers.items() if k.lower() in ("content-type", "retry-after")}
-            return Response(last.body, status_code=last.status, headers=headers)
+            return Response(last.body, status_code=last.status, headers={**headers, BACKEND_HEADER: last.backend})
+        why = "; ".join(failures)
         if last is None:
             wait = min(b.retry_after_s() for b in self.breakers.values()) or 1.0
-            body = error_json(503, "every backend's circuit breaker is open", "backends_unavailable")
+            body = error_json(503, f"every backend's circuit breaker is open ({why})", "backends_unavailable")
             return JSONResponse(body, status_code=503, headers={"Retry-After": str(max(1, round(wait)))})
         status = 504 if last.reason == "timeout" else 502
-        return JSONResponse(error_json(status, f"no backend answered: {last}", last.reason), status_code=status)
+        return JSONResponse(error_json(status, f"no backend answered ({why})", last.reason), status_code=status)
 
-    async def _relay(self, name: str, opened: Opened, generation: bool, shadow, start: float) -> Response:
+    async def _relay(self, name: str, opened: Opened, answer: AnswerFilter, generation: bool, shadow,
+                     start: float) -> Response:
+        """The client's response from an opened backend answer; `answer` undoes the request's rewrite
+        (the capture, for usage and the comparator, sees the backend's own bytes)."""
         status, headers = opened.response.status_code, opened.client_headers(name)
         if not opened.is_sse:
             try:
                 raw = opened.first + b"".join([chunk async for chunk in opened.rest])
             except httpx.HTTPError as e:
-                raw, capture = b"", Capture(status=status, error=f"{name}: body broke: {e!r}")
+                raw, capture = b"", Capture(status=status, error=f"{name}: the body broke: {type(e).__name__}")
             else:
                 capture = capture_body(status, raw, start)
             finally:
@@ -238,29 +257,33 @@ class Gateway:
                 shadow.set_result(capture)
             if capture.error:
                 return JSONResponse(error_json(502, capture.error, "backend_body_broken"), status_code=502)
-            return Response(raw, status_code=status, headers=headers)
+            return Response(answer.json_body(raw), status_code=status, headers=headers)
         tap = StreamTap(start, keep_events=shadow is not None)
-        return StreamingResponse(self._stream(name, opened, tap, generation, shadow), status_code=status,
+        return StreamingResponse(self._stream(name, opened, answer, tap, generation, shadow), status_code=status,
                                  headers=headers)
 
-    async def _stream(self, name: str, opened: Opened, tap: StreamTap, generation: bool,
+    async def _stream(self, name: str, opened: Opened, answer: AnswerFilter, tap: StreamTap, generation: bool,
                       shadow) -> AsyncIterator[bytes]:
-        settled = False
+        settled, tail = False, b"\n\n"
         try:
             error = ""
             try:
-                if opened.first:
-                    tap.feed(opened.first)
-                    yield opened.first
-                async for chunk in opened.rest:
+                async for chunk in _chain(opened.first, opened.rest):
                     tap.feed(chunk)
-                    yield chunk
+                    if out := answer.feed(chunk):
+                        tail = (tail + out)[-2:]
+                        yield out
             except httpx.HTTPError as e:
-                error = f"{name} broke mid-stream: {type(e).__name__}"
+                error = type(e).__name__
+            if out := answer.finish():
+                tail = (tail + out)[-2:]
+                yield out
             capture = tap.finish(error)
             if capture.error and not capture.done:
                 self.metrics.midstream_failures.labels(name).inc()
-                yield sse_error_event(f"the backend stream broke: {capture.error}")
+                if tail != b"\n\n":  # NOTE: the backend broke inside an event; end it so ours parses
+                    yield b"\n\n"
+                yield sse_error_event(f"{name}: the backend stream broke after its first byte ({capture.error})")
                 yield b"data: [DONE]\n\n"
             settled = True
             self._settle(name, capture, generation)
@@ -276,14 +299,15 @@ class Gateway:
     async def _shadow_fetch(self, parsed: dict[str, Any], raw: bytes, path: str, headers: dict[str, str]) -> Capture:
         """One shadow leg to the candidate, read whole; never touches breakers or usage totals."""
         backend = self.backends[CANDIDATE]
+        body = rewrite_request(backend, raw, parsed, generation=True).body
         return await fetch_capture(self.client, backend, f"v1/{path}", backend_headers(backend, headers, shadow=True),
-                                   backend_body(backend, raw, parsed), self.config.shadow.timeout_s)
+                                   body, self.config.shadow.timeout_s)
 
     def status(self) -> dict[str, Any]:
-        """The /gateway/status document."""
+        """The /gateway/status document (backend URLs without their userinfo, no keys)."""
         window = self.canary.window_stats()
         return {
-            "backends": {n: {"url": b.url, "breaker": self.breakers[n].snapshot(), "window": window.get(n)}
+            "backends": {n: {"url": redact_text(b.url), "breaker": self.breakers[n].snapshot(), "window": window.get(n)}
                          for n, b in self.backends.items()},
             "canary": self.canary.snapshot(), "shadow": self.shadow.snapshot(), "totals": dict(self.totals),
             "retry_budget": {"ratio": self.budget.ratio, "min_retries": self.budget.min_retries,

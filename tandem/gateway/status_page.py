@@ -32,8 +32,12 @@ function draw(s) {
     d => '<li>' + d.tiers.join(', ') + ' (request ' + d.request_sha256 + ')</li>').join('');
   document.getElementById('updated').textContent = 'refreshed live at ' + new Date().toISOString();
 }
+// NOTE: fetch() refuses a URL with credentials (a page opened as http://user:key@host/ has them);
+// without them the browser sends the Basic credentials it used for this page.
+const statusUrl = new URL('status', location.href);
+statusUrl.username = ''; statusUrl.password = '';
 async function refresh() {
-  try { const r = await fetch('status'); if (r.ok) draw(await r.json()); } catch (e) {}
+  try { const r = await fetch(statusUrl); if (r.ok) draw(await r.json()); } catch (e) {}
 }
 refresh();
 setInterval(refresh, 1000);

@@ -4,7 +4,7 @@ wait for the first byte.
 The client's `Authorization` never leaves the gateway: each backend gets its own key (or none).
 Hop-by-hop headers (RFC 9110 section 7.6.1) and the length are dropped, `Accept-Encoding: identity`
 is asked so the bytes the gateway relays are the ones it reads. The body is forwarded byte for byte
-unless the backend maps the request's model name; then only `model` changes (unknown fields stay).
+unless `rewrite.py` changes it (a mapped model name, stream usage asked for).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from tandem.gateway.capture import Capture, StreamTap, capture_body
-from tandem.gateway.config import BackendConfig
+from tandem.gateway.config import BackendConfig, redact_text
 
 SHADOW_HEADER = "x-tandem-shadow"
 BACKEND_HEADER = "x-tandem-backend"
@@ -30,13 +30,14 @@ _DROP_RESPONSE = {"connection", "keep-alive", "proxy-authenticate", "proxy-autho
 
 
 class AttemptFailed(Exception):
-    """A backend failed before the first byte. reason: connect_error, timeout, http_5xx;
-    status/body/headers: the 5xx answer, kept to relay when no backend does better."""
+    """A backend failed before the first byte. backend: its configured name (the message starts
+    with it); reason: connect_error, timeout, http_5xx; status/body/headers: the 5xx answer, kept to
+    relay when no backend does better."""
 
-    def __init__(self, reason: str, message: str, status: int | None = None, body: bytes = b"",
+    def __init__(self, backend: str, reason: str, message: str, status: int | None = None, body: bytes = b"",
                  headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.reason, self.status, self.body, self.headers = reason, status, body, headers or {}
+        super().__init__(redact_text(f"{backend}: {message}"))
+        self.backend, self.reason, self.status, self.body, self.headers = backend, reason, status, body, headers or {}
 
 
 @dataclass
@@ -69,13 +70,6 @@ def backend_headers(backend: BackendConfig, incoming: Any, shadow: bool = False)
     return out
 
 
-def backend_body(backend: BackendConfig, raw: bytes, parsed: Any) -> bytes:
-    """The body for `backend`: `raw` unchanged, or with `model` renamed by the backend's map."""
-    if isinstance(parsed, dict) and isinstance(parsed.get("model"), str) and parsed["model"] in backend.model_map:
-        return json.dumps({**parsed, "model": backend.model_map[parsed["model"]]}).encode()
-    return raw
-
-
 async def open_attempt(client: httpx.AsyncClient, backend: BackendConfig, method: str, path: str, query: str,
                        headers: dict[str, str], body: bytes, first_byte_timeout_s: float) -> Opened:
     """Sends the request and waits for the response head and its first body chunk.
@@ -92,7 +86,7 @@ async def open_attempt(client: httpx.AsyncClient, backend: BackendConfig, method
             if response.status_code >= 500:
                 raw = await response.aread()
                 await response.aclose()
-                raise AttemptFailed("http_5xx", f"{backend.name} answered {response.status_code}",
+                raise AttemptFailed(backend.name, "http_5xx", f"answered {response.status_code}",
                                     response.status_code, raw, dict(response.headers))
             rest = response.aiter_raw()
             first = await anext(rest, b"")
@@ -100,15 +94,15 @@ async def open_attempt(client: httpx.AsyncClient, backend: BackendConfig, method
     except TimeoutError as e:
         if response is not None:
             await response.aclose()
-        raise AttemptFailed("timeout", f"{backend.name}: no first byte within {first_byte_timeout_s:g} s") from e
+        raise AttemptFailed(backend.name, "timeout", f"no first byte within {first_byte_timeout_s:g} s") from e
     except httpx.TimeoutException as e:
         if response is not None:
             await response.aclose()
-        raise AttemptFailed("timeout", f"{backend.name}: {type(e).__name__}") from e
+        raise AttemptFailed(backend.name, "timeout", type(e).__name__) from e
     except httpx.HTTPError as e:
         if response is not None:
             await response.aclose()
-        raise AttemptFailed("connect_error", f"{backend.name}: {type(e).__name__}: {e}") from e
+        raise AttemptFailed(backend.name, "connect_error", f"{type(e).__name__}: {e}") from e
 
 
 async def fetch_capture(client: httpx.AsyncClient, backend: BackendConfig, path: str, headers: dict[str, str],

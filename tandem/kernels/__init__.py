@@ -23,8 +23,9 @@ import torch
 from tandem.kernels.build import load_extension, selected_variant, unsupported_reason
 
 __all__ = [
-    "available", "backend", "dequantize", "linear_bf16", "moe_bf16", "linear_int4", "linear_int8", "linear_max_tokens",
-    "paged_attention", "rms_norm", "rotary", "silu_and_mul", "unavailable_reason",
+    "available", "backend", "dequantize", "linear_bf16", "moe_bf16", "moe_int4", "moe_int8", "linear_int4",
+    "linear_int8", "linear_max_tokens", "paged_attention", "rms_norm", "rotary", "silu_and_mul",
+    "supports_window_softcap", "unavailable_reason",
 ]
 
 
@@ -125,6 +126,38 @@ def moe_bf16(
     return load_extension().moe_bf16(x, w13, w2, weights, ids)
 
 
+def moe_int8(
+    x: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor,
+    weights: torch.Tensor, ids: torch.Tensor,
+) -> torch.Tensor:
+    """``moe_bf16`` with int8 experts (``models.quant.quantize_int8`` per expert): ``w13_q [E, 2I, H]`` /
+    ``w2_q [E, H, I]`` int8 codes, ``w13_s [E, 2I]`` / ``w2_s [E, H]`` fp32 row scales, all contiguous.
+
+    ``x [T, H]`` bf16 -> ``[T, H]`` bf16; each expert's weight is ``q * scale[row]``. The routed tokens and
+    the intermediate ``bf16(silu(gate) * up)`` are quantized to int8 per block of 32 and dotted with the
+    codes as ``linear_int8`` does (error bound there), grouped by expert: each selected expert's codes are
+    read once per call, unselected experts never; batch invariant.
+
+    Raises:
+        RuntimeError: wrong dtypes or shapes, an expert id outside ``[0, E)`` (raised by the kernel).
+    """
+    return load_extension().moe_int8(x, w13_q, w13_s, w2_q, w2_s, weights, ids)
+
+
+def moe_int4(
+    x: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor,
+    weights: torch.Tensor, ids: torch.Tensor,
+) -> torch.Tensor:
+    """``moe_int8`` with Q4_0 experts (``models.quant.quantize_int4`` per expert): ``w13_q [E, 2I, H/2]`` /
+    ``w2_q [E, H, I/2]`` uint8 nibbles, ``w13_s [E, 2I, H/32]`` / ``w2_s [E, H, I/32]`` fp16 group scales;
+    H and I multiples of 32. Arithmetic as ``linear_int4``.
+
+    Raises:
+        RuntimeError: wrong dtypes or shapes, an expert id outside ``[0, E)`` (raised by the kernel).
+    """
+    return load_extension().moe_int4(x, w13_q, w13_s, w2_q, w2_s, weights, ids)
+
+
 def dequantize(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The bf16 weight ``[N, K]`` (``bf16(q * scale)``) of an int8 or int4 layer (formats as above).
 
@@ -147,6 +180,8 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     max_query_len: int,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """Paged causal attention read from the cache in place (online softmax); bf16 or fp32.
 
@@ -155,13 +190,30 @@ def paged_attention(
     ``1 .. max_query_len``; other rows of ``out`` are left for the caller. ``block_tables [R, M]``,
     ``seq_lens [R]``, ``query_start_loc [R + 1]`` are int32 (``AttentionMetadata``). ``q``, ``k``,
     ``v``, ``out`` need contiguous heads but may have any token stride. ``head_dim`` <= 256.
+    ``window`` > 0: a query at position p sees keys ``p - window + 1 .. p`` only (blocks wholly
+    before that are not read); ``softcap`` > 0: each scaled score s becomes ``softcap * tanh(s / softcap)``
+    (Gemma 2). Both need ``supports_window_softcap()``.
 
     Raises:
+        ValueError: ``window`` or ``softcap`` on a variant without them.
         RuntimeError: mismatched dtypes, shapes or layouts (raised by the kernel).
     """
-    load_extension().paged_attention(
+    module = load_extension()
+    if window or softcap:
+        if not hasattr(module, "paged_attention_ex"):
+            raise ValueError(f"the {backend()} paged_attention kernel has no sliding window or soft-capping")
+        module.paged_attention_ex(out, q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+                                  query_start_loc, scale, max_query_len, window, softcap)
+        return
+    module.paged_attention(
         out, q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale, max_query_len
     )
+
+
+def supports_window_softcap() -> bool:
+    """Whether the loaded variant's ``paged_attention`` takes ``window`` and ``softcap`` (avx2 does;
+    avx512_bf16 not yet: callers attend such layers with PyTorch ops there)."""
+    return available("paged_attention_ex")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

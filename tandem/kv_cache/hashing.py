@@ -33,6 +33,12 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "big")
 
 
+def salted_root(salt: str) -> int:
+    """A parent hash for block 0 other than ``ROOT_HASH``: requests whose KV differs for the same tokens
+    (e.g. longrope's long factors, ``ModelRunner.block_hash_root``) never share blocks with the rest."""
+    return int.from_bytes(hashlib.sha256(ROOT_HASH.to_bytes(32, "big") + salt.encode()).digest(), "big")
+
+
 def hash_token_blocks(token_ids: Sequence[int], block_size: int) -> list[int]:
     """Chained hashes of every full block of ``token_ids`` (``len(token_ids) // block_size`` of them)."""
     hashes: list[int] = []
@@ -46,13 +52,14 @@ def hash_token_blocks(token_ids: Sequence[int], block_size: int) -> list[int]:
 def update_block_hashes(request: Request, block_size: int) -> None:
     """Extends ``request.block_hashes`` with the hashes of blocks that became full since the last call.
 
-    Covers prompt and output tokens (so a preempted request finds its own generated blocks again).
+    Covers prompt and output tokens (so a preempted request finds its own generated blocks again); block 0's
+    parent is ``request.block_hash_root`` (None: ``ROOT_HASH``).
     Changes: ``request.block_hashes`` (append only).
     """
     num_full = request.num_tokens // block_size
     hashes = request.block_hashes
     while len(hashes) < num_full:
         i = len(hashes)
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else request.block_hash_root
         tokens = request.token_ids_slice(i * block_size, (i + 1) * block_size)
         hashes.append(hash_block_tokens(parent, tokens))

@@ -8,6 +8,7 @@ transformers >= 5 writes ``rope_parameters: {"rope_type", "rope_theta", ...}``; 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,15 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "OlmoeForCausalLM",
     "GraniteMoeForCausalLM",
+    "Phi3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# NOTE: "su" is longrope's old name in Phi-3 configs (transformers renames it on load).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "su")
+# The one MLP activation each family's blocks implement (Gemma: GeGLU with tanh-approximated GELU).
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # generation_config.json keys copied into SamplingParams defaults (same names there).
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
 
@@ -37,9 +45,12 @@ class CheckpointError(ValueError):
 class RopeConfig:
     """Rotary position embedding parameters.
 
-    ``rope_type`` "default" uses ``theta`` only; "llama3" (Llama 3.1 frequency-dependent scaling)
+    ``rope_type`` "default" uses ``theta`` only; "linear" divides every frequency by ``factor``
+    (position interpolation, Chen et al. 2023); "llama3" (Llama 3.1 frequency-dependent scaling)
     also uses ``factor``, ``low_freq_factor``, ``high_freq_factor`` and
-    ``original_max_position_embeddings`` (tokens).
+    ``original_max_position_embeddings`` (tokens). "longrope" (LongRoPE, Ding et al. 2024; Phi-3) divides
+    each frequency by ``short_factor[i]`` or ``long_factor[i]`` (``head_dim // 2`` each; which one a token
+    uses: ``layers.RotaryEmbedding``) and scales cos/sin by ``attention_factor``.
     """
 
     rope_type: str = "default"
@@ -48,6 +59,9 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -78,7 +92,8 @@ class HFModelConfig:
     ``eos_token_ids`` merges ``config.json`` and ``generation_config.json`` (each an int or a list).
     ``generation_defaults`` holds the present ones of temperature / top_p / top_k / repetition_penalty
     from ``generation_config.json``. ``sliding_window`` is None when every layer attends to the full
-    context (for Qwen2/Qwen3 it is only set when ``use_sliding_window`` is true).
+    context (for Qwen2/Qwen3 it is only set when ``use_sliding_window`` is true); ``layer_windows``
+    then gives each layer's window (None: full attention), see ``layer_windows``.
     ``attention_bias``: the q/k/v projections have biases (always for Qwen2); o_proj has one too
     except in Qwen2 (see ``LlamaAttention.o_proj_bias``).
     """
@@ -108,19 +123,24 @@ class HFModelConfig:
     clip_qkv: float | None = None  # OLMoE: q, k, v clamped to [-clip, clip] after the norm
     embedding_multiplier: float = 1.0  # Granite: embeddings scaled
     residual_multiplier: float = 1.0  # Granite: each block's output scaled before its residual add
-    attention_multiplier: float | None = None  # Granite: the attention scale instead of head_dim ** -0.5
+    attention_multiplier: float | None = None  # Granite, Gemma: the attention scale instead of head_dim ** -0.5
     logits_scaling: float = 1.0  # Granite: logits divided by it
+    hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    layer_windows: tuple[int | None, ...] = ()  # per layer: sliding window (tokens) or None; () = all None
+    attn_logit_softcapping: float | None = None  # Gemma2: scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # Gemma2/3: logits -> cap * tanh(logits / cap)
+    rope_local: RopeConfig | None = None  # Gemma3: the sliding layers' rope (``rope`` is the global one)
 
     @property
     def max_model_len(self) -> int:
-        """The longest context (tokens) this engine computes exactly.
-
-        NOTE: Tandem has no sliding-window attention kernel. Full attention equals sliding-window
-        attention while the context fits in the window, so the context is clamped to the window.
-        """
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """The longest context (tokens) of the model: ``max_position_embeddings`` (sliding-window layers
+        attend to their last ``sliding_window`` tokens over the paged cache, so the window is no limit)."""
         return self.max_position_embeddings
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window in tokens (a query at position p sees keys p - window + 1 .. p,
+        as transformers' ``sliding_window_overlay``), or None for full attention."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
 
 def load_hf_config(model_dir: Path | str) -> HFModelConfig:
@@ -139,9 +159,8 @@ def load_hf_config(model_dir: Path | str) -> HFModelConfig:
     gen_path = model_dir / "generation_config.json"
     gen = _read_json(gen_path) if gen_path.is_file() else {}
     architecture = _architecture(cfg, config_path)
-    if cfg.get("hidden_act", "silu") != "silu":
-        act = cfg["hidden_act"]
-        raise CheckpointError(f"{config_path}: hidden_act {act!r} is not supported (only 'silu')")
+    if cfg.get("use_bidirectional_attention"):
+        raise CheckpointError(f"{config_path}: use_bidirectional_attention is not supported (causal models only)")
     try:
         return _build(cfg, gen, architecture, config_path)
     except KeyError as e:
@@ -151,6 +170,8 @@ def load_hf_config(model_dir: Path | str) -> HFModelConfig:
 def _build(cfg: dict[str, Any], gen: dict[str, Any], architecture: str, config_path: Path) -> HFModelConfig:
     num_heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
+    gemma = architecture in GEMMA_ARCHITECTURES
+    window = _sliding_window(cfg)
     return HFModelConfig(
         architecture=architecture,
         model_type=str(cfg.get("model_type", "")),
@@ -161,9 +182,9 @@ def _build(cfg: dict[str, Any], gen: dict[str, Any], architecture: str, config_p
         head_dim=int(cfg.get("head_dim") or hidden // num_heads),
         intermediate_size=int(cfg["intermediate_size"]),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope=_rope_config(cfg, config_path),
+        rope=_rope_config(cfg, config_path, "full_attention"),
         vocab_size=int(cfg["vocab_size"]),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         # NOTE: Qwen2 always has q/k/v biases, whatever the config says (transformers hard-codes it).
         attention_bias=architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
@@ -171,16 +192,72 @@ def _build(cfg: dict[str, Any], gen: dict[str, Any], architecture: str, config_p
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         bos_token_id=_first_int(cfg.get("bos_token_id"), gen.get("bos_token_id")),
         eos_token_ids=_merge_ids(cfg.get("eos_token_id"), gen.get("eos_token_id")),
-        sliding_window=_sliding_window(cfg),
+        sliding_window=window,
         torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
         generation_defaults={k: gen[k] for k in GENERATION_DEFAULT_KEYS if gen.get(k) is not None},
         moe=_moe_config(cfg, architecture),
         clip_qkv=None if cfg.get("clip_qkv") is None else float(cfg["clip_qkv"]),
         embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
         residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
-        attention_multiplier=None if cfg.get("attention_multiplier") is None else float(cfg["attention_multiplier"]),
+        attention_multiplier=_attention_multiplier(cfg, gemma),
         logits_scaling=float(cfg.get("logits_scaling", 1.0)),
+        hidden_act=_activation(cfg, config_path, "gelu_pytorch_tanh" if gemma else "silu"),
+        layer_windows=_layer_windows(cfg, architecture, window, config_path),
+        # NOTE: transformers' Gemma3Attention never passes attn_logit_softcapping to its attention (5.x).
+        attn_logit_softcapping=_optional_float(cfg, "attn_logit_softcapping")
+        if architecture == "Gemma2ForCausalLM" else None,
+        final_logit_softcapping=_optional_float(cfg, "final_logit_softcapping") if gemma else None,
+        rope_local=_rope_config(cfg, config_path, "sliding_attention")
+        if architecture == "Gemma3ForCausalLM" else None,
     )
+
+
+def _optional_float(cfg: dict[str, Any], key: str) -> float | None:
+    return None if cfg.get(key) is None else float(cfg[key])
+
+
+def _attention_multiplier(cfg: dict[str, Any], gemma: bool) -> float | None:
+    """The attention scale when it is not ``head_dim ** -0.5``: Granite's ``attention_multiplier``,
+    Gemma's ``query_pre_attn_scalar ** -0.5``."""
+    if gemma:
+        return float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5
+    return _optional_float(cfg, "attention_multiplier")
+
+
+def _activation(cfg: dict[str, Any], path: Path, expected: str) -> str:
+    """``hidden_activation`` (Gemma) or ``hidden_act``, which must be the family's ``expected`` one."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or expected
+    if act != expected:
+        raise CheckpointError(f"{path}: hidden_act {act!r} is not supported for this architecture (only {expected!r})")
+    return _ACTIVATIONS[act]
+
+
+def _layer_windows(cfg: dict[str, Any], architecture: str, window: int | None, path: Path) -> tuple[int | None, ...]:
+    """Each layer's sliding window, from ``layer_types`` (written by transformers >= 4.54) or, in older
+    files, each family's rule: Gemma2 alternates (even layers slide), Gemma3 has one global layer every
+    ``sliding_window_pattern`` (default 6), Qwen2/Qwen3 slide from ``max_window_layers`` on, the others
+    (Mistral, Mixtral) slide in every layer."""
+    num_layers = int(cfg["num_hidden_layers"])
+    if window is None:
+        return ()
+    if window < 1:
+        raise CheckpointError(f"{path}: sliding_window must be >= 1, got {window}")
+    types = cfg.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers:
+            raise CheckpointError(f"{path}: layer_types has {len(types)} entries for {num_layers} layers")
+        sliding = [t == "sliding_attention" for t in types]
+    elif architecture == "Gemma2ForCausalLM":
+        sliding = [i % 2 == 0 for i in range(num_layers)]
+    elif architecture == "Gemma3ForCausalLM":
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
+    elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        first = int(cfg.get("max_window_layers", num_layers))
+        sliding = [i >= first for i in range(num_layers)]
+    else:
+        sliding = [True] * num_layers
+    return tuple(window if s else None for s in sliding)
 
 
 def _moe_config(cfg: dict[str, Any], architecture: str) -> MoEConfig | None:
@@ -233,10 +310,19 @@ def _architecture(cfg: dict[str, Any], path: Path) -> str:
     )
 
 
-def _rope_config(cfg: dict[str, Any], path: Path) -> RopeConfig:
-    """Both layouts: ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling`` (older)."""
+def _rope_config(cfg: dict[str, Any], path: Path, layer_type: str) -> RopeConfig:
+    """Both layouts: ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling`` (older).
+
+    Gemma3 has one rope per ``layer_type`` ("full_attention", "sliding_attention"): transformers 5
+    nests them in ``rope_parameters``; older files give the sliding layers' ``rope_local_base_freq``
+    (default rope) and the global layers' ``rope_theta`` + ``rope_scaling``.
+    """
     params = dict(cfg.get("rope_parameters") or {})
-    scaling = cfg.get("rope_scaling") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        params = dict(params.get(layer_type) or {})
+    elif layer_type == "sliding_attention":
+        params = {"rope_theta": float(cfg.get("rope_local_base_freq", 10000.0))}
+    scaling = {} if layer_type == "sliding_attention" else cfg.get("rope_scaling") or {}
     params = {**scaling, **params}
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or params.get("type") or "default"
@@ -245,9 +331,18 @@ def _rope_config(cfg: dict[str, Any], path: Path) -> RopeConfig:
             f"{path}: rope type {rope_type!r} is not supported; supported rope types: "
             f"{', '.join(SUPPORTED_ROPE_TYPES)}"
         )
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
+    if partial != 1.0:
+        raise CheckpointError(f"{path}: partial_rotary_factor {partial} is not supported (only 1.0)")
     if rope_type == "default":
         return RopeConfig(theta=float(theta))
+    if rope_type == "linear":
+        if "factor" not in params:
+            raise CheckpointError(f"{path}: linear rope parameters lack 'factor'")
+        return RopeConfig(rope_type="linear", theta=float(theta), factor=float(params["factor"]))
     try:
+        if rope_type in ("longrope", "su"):
+            return _longrope_config(cfg, params, float(theta), path)
         return RopeConfig(
             rope_type=rope_type,
             theta=float(theta),
@@ -257,7 +352,30 @@ def _rope_config(cfg: dict[str, Any], path: Path) -> RopeConfig:
             original_max_position_embeddings=int(params["original_max_position_embeddings"]),
         )
     except KeyError as e:
-        raise CheckpointError(f"{path}: llama3 rope parameters lack {e.args[0]!r}") from None
+        raise CheckpointError(f"{path}: {rope_type} rope parameters lack {e.args[0]!r}") from None
+
+
+def _longrope_config(cfg: dict[str, Any], params: dict[str, Any], theta: float, path: Path) -> RopeConfig:
+    """LongRoPE as transformers' ``_compute_longrope_parameters`` reads it: the top-level
+    ``original_max_position_embeddings`` wins over the rope dict's (Phi-3 writes it there), ``factor``
+    defaults to ``max_position_embeddings / original``, and ``attention_factor`` to
+    ``sqrt(1 + ln(factor) / ln(original))`` (1 when ``factor <= 1``)."""
+    original = int(cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+                   or cfg.get("max_position_embeddings", 2048))
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else int(cfg.get("max_position_embeddings", 2048)) / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    half = int(cfg.get("head_dim") or hidden // heads) // 2
+    short, long = tuple(map(float, params["short_factor"])), tuple(map(float, params["long_factor"]))
+    if len(short) != half or len(long) != half:
+        raise CheckpointError(f"{path}: longrope short_factor / long_factor need {half} values each, "
+                              f"got {len(short)} / {len(long)}")
+    return RopeConfig(rope_type="longrope", theta=theta, factor=factor,
+                      original_max_position_embeddings=original, short_factor=short, long_factor=long,
+                      attention_factor=float(attention_factor))
 
 
 def _sliding_window(cfg: dict[str, Any]) -> int | None:

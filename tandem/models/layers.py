@@ -135,21 +135,38 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
-def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+class GeluTanhAndMul(nn.Module):
+    """GeGLU gate (Shazeer 2020) of Gemma: ``x [..., 2d] -> gelu_tanh(x[..., :d]) * x[..., d:]`` (gate first),
+    with transformers' ``gelu_pytorch_tanh`` (``F.gelu(approximate="tanh")``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig, long: bool = False) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]`` float32 (RoFormer, Su et al. 2021).
 
-    "llama3" applies Llama 3.1's frequency-dependent scaling (Meta's reference ``apply_scaling``,
-    as in transformers' ``_compute_llama3_parameters``): wavelengths shorter than
-    ``original_max / high_freq_factor`` are kept, longer than ``original_max / low_freq_factor``
-    divided by ``factor``, and those between interpolated smoothly.
+    "linear" divides them by ``rope.factor`` (position interpolation, as transformers'
+    ``_compute_linear_scaling_rope_parameters``). "llama3" applies Llama 3.1's frequency-dependent
+    scaling (Meta's reference ``apply_scaling``, as in transformers' ``_compute_llama3_parameters``):
+    wavelengths shorter than ``original_max / high_freq_factor`` are kept, longer than
+    ``original_max / low_freq_factor`` divided by ``factor``, and those between interpolated smoothly.
+    "longrope" divides frequency ``i`` by ``short_factor[i]`` (``long_factor[i]`` when ``long``), as
+    transformers' ``_compute_longrope_parameters``.
 
     Raises:
         ValueError: an unsupported ``rope.rope_type``.
     """
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if rope.rope_type == "longrope":
+        factors = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32)
+        return 1.0 / (factors * rope.theta**exponent)
     inv_freq = 1.0 / (rope.theta**exponent)
     if rope.rope_type == "default":
         return inv_freq
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
     if rope.rope_type != "llama3":
         raise ValueError(f"rope type {rope.rope_type!r} is not supported")
     old_len = rope.original_max_position_embeddings
@@ -163,27 +180,60 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _cos_sin(inv_freq: torch.Tensor, num_positions: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin [num_positions, 2 * len(inv_freq)]`` float32 for positions ``0 ..``, times ``scale``."""
+    freqs = torch.arange(num_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    if scale == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding tables in the rotate-half layout of Hugging Face checkpoints.
 
-    ``cos``/``sin`` caches ``[max_positions, head_dim]`` are computed once in float32; at use they
-    are cast to the model dtype (as transformers does). ``forward(positions [T] int64, dtype)``
-    returns ``(cos, sin)``, each ``[T, 1, head_dim]``, for ``apply_rotary``; a model computes them
-    once per step and shares them across layers.
+    ``cos``/``sin`` caches ``[rows, head_dim]`` are computed once in float32; at use they are cast to the
+    model dtype (as transformers does). ``forward(positions [T] int64, dtype, prompt_lens=None)``
+    returns ``(cos, sin)``, each ``[T, 1, head_dim]``, for ``apply_rotary``; a model computes them once
+    per step and shares them across layers.
+
+    "longrope" keeps two tables, the short factors' for positions below ``original_max_position_embeddings``
+    (``O``) and the long factors' for every position, both scaled by ``attention_factor``. transformers picks
+    one set per forward call: the long one when the call's largest position + 1 exceeds ``O``. Here a
+    token at position ``p`` of a request whose prompt has ``L`` tokens (``prompt_lens [T]``) uses the long
+    set iff ``L > O`` or ``p >= O``: every prompt token as transformers' forward of the whole prompt,
+    every generated token as its forward with a KV cache, independent of chunking and batching.
+    NOTE: transformers' ``Phi3ForCausalLM.generate`` also recomputes the whole cache with the long
+    factors once a sequence whose prompt had ``<= O`` tokens grows past ``O``; Tandem keeps the cached
+    short-factor K/V (paged blocks may be shared), so from position ``O`` on such a sequence may differ.
+    Without ``prompt_lens`` only ``p >= O`` decides.
     """
 
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, rope)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
         self.max_positions = max_positions
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        self.long_offset = 0
+        cos, sin = _cos_sin(rope_inv_freq(head_dim, rope), max_positions, rope.attention_factor)
+        if rope.rope_type == "longrope":
+            self.long_offset = min(rope.original_max_position_embeddings, max_positions)
+            long_cos, long_sin = _cos_sin(rope_inv_freq(head_dim, rope, long=True), max_positions,
+                                          rope.attention_factor)
+            cos = torch.cat((cos[: self.long_offset], long_cos))
+            sin = torch.cat((sin[: self.long_offset], long_sin))
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache[positions].to(dtype).unsqueeze(1)
-        sin = self.sin_cache[positions].to(dtype).unsqueeze(1)
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype, prompt_lens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = positions
+        if self.long_offset:
+            long = positions >= self.long_offset
+            if prompt_lens is not None:
+                long |= prompt_lens > self.long_offset
+            rows = positions + long * self.long_offset
+        cos = self.cos_cache[rows].to(dtype).unsqueeze(1)
+        sin = self.sin_cache[rows].to(dtype).unsqueeze(1)
         return cos, sin
 
 

@@ -38,20 +38,23 @@ class LlamaAttention(nn.Module):
     # True when ``norm_qk`` is not the identity (Qwen3): q and k are then normalised into new tensors
     # before RoPE instead of being rotated in place in the qkv output.
     has_qk_norm: bool = False
+    # The checkpoint tensors filling ``qkv_proj``; ``()`` when the checkpoint stores it fused (Phi-3).
+    qkv_shard_names: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")
 
     def __init__(self, cfg: HFModelConfig, dtype: torch.dtype, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = Linear(
-            cfg.hidden_size, self.split_sizes, cfg.attention_bias, dtype, ("q_proj", "k_proj", "v_proj")
-        )
+        self.qkv_proj = Linear(cfg.hidden_size, self.split_sizes, cfg.attention_bias, dtype, self.qkv_shard_names)
         o_bias = cfg.attention_bias if self.o_proj_bias is None else self.o_proj_bias
         self.o_proj = Linear(q_size, cfg.hidden_size, o_bias, dtype)
         self.scale = cfg.attention_multiplier if cfg.attention_multiplier is not None else self.head_dim**-0.5
         self.clip_qkv = cfg.clip_qkv
         self.backend = backend
+        # NOTE: per layer, set by LlamaModel from ``cfg.layer_window(i)``: keys p - window + 1 .. p only.
+        self.sliding_window: int | None = None
+        self.softcap = cfg.attn_logit_softcapping  # Gemma2: scores -> cap * tanh(scores / cap)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hook before RoPE (identity here; Qwen3 normalises each head)."""
@@ -80,19 +83,20 @@ class LlamaAttention(nn.Module):
             q, k = apply_rotary(q, k, *rope)
         else:
             apply_rotary_(qkv[:, :k_end].view(t, heads + kv_heads, head_dim), *rope)
-        out = self.backend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = self.backend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window, self.softcap)
         return self.o_proj.forward(out.flatten(1))
 
 
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward with a fused gate/up projection: ``[T, hidden] -> [T, hidden]``."""
 
-    def __init__(self, cfg: HFModelConfig, dtype: torch.dtype) -> None:
+    def __init__(
+        self, cfg: HFModelConfig, dtype: torch.dtype, shard_names: tuple[str, ...] = ("gate_proj", "up_proj")
+    ) -> None:
+        """``shard_names``: the checkpoint tensors filling ``gate_up_proj`` (``()``: stored fused, Phi-3)."""
         super().__init__()
         inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(
-            cfg.hidden_size, [inter, inter], cfg.mlp_bias, dtype, ("gate_proj", "up_proj")
-        )
+        self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], cfg.mlp_bias, dtype, shard_names)
         self.act = SiluAndMul()
         self.down_proj = Linear(inter, cfg.hidden_size, cfg.mlp_bias, dtype)
 
@@ -172,7 +176,10 @@ class LlamaDecoderLayer(nn.Module):
         # the Linear modules after construction.
         attn, mlp = self.self_attn, self.mlp
         if (attn.has_qk_norm or attn.clip_qkv is not None or self.residual_multiplier != 1.0
-                or type(mlp) is not LlamaMLP):
+                or type(mlp) is not LlamaMLP or attn.softcap is not None):
+            return None
+        # NOTE: the fused layer attends without a window: only when every key is inside it.
+        if attn.sliding_window is not None and int(meta.seq_lens.max()) > attn.sliding_window:
             return None
         tokens = x.shape[0]
         linears = []
@@ -191,7 +198,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm: ``(ids [T], positions [T]) -> hidden [T, hidden]``."""
+    """Embedding, decoder layers and final norm: ``(ids [T], positions [T]) -> hidden [T, hidden]``.
+
+    Layer i's attention gets its sliding window ``cfg.layer_window(i)``. A family with other layers
+    sets ``layer_cls``.
+    """
+
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
     def __init__(
         self,
@@ -206,8 +219,10 @@ class LlamaModel(nn.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.embedding_multiplier = cfg.embedding_multiplier
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, dtype, attention_cls, backend, make_mlp(i)) for i in range(cfg.num_layers)
+            self.layer_cls(cfg, dtype, attention_cls, backend, make_mlp(i)) for i in range(cfg.num_layers)
         )
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.sliding_window = cfg.layer_window(i)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
 
@@ -217,11 +232,12 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        prompt_lens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         if self.embedding_multiplier != 1.0:  # Granite
             x = x * self.embedding_multiplier
-        rope = self.rotary(positions, x.dtype)
+        rope = self.rotary(positions, x.dtype, prompt_lens)
         residual, fused = None, self.fused_step(x)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer.forward(x, residual, rope, kv_cache, meta, fused)
@@ -242,7 +258,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral causal LM over a paged KV cache.
+    """Llama / Mistral causal LM over a paged KV cache (Mistral's ``sliding_window`` in every layer).
 
     Args:
         cfg: the checkpoint config.
@@ -252,6 +268,7 @@ class LlamaForCausalLM(nn.Module):
     """
 
     attention_cls: type[LlamaAttention] = LlamaAttention
+    model_cls: type[LlamaModel] = LlamaModel
 
     def __init__(
         self,
@@ -263,8 +280,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         backend = backend if backend is not None else select_backend(cfg.head_dim, dtype)
-        self.model = LlamaModel(cfg, dtype, max_positions, self.attention_cls, backend,
-                                lambda layer: self.make_mlp(cfg, dtype, layer))
+        self.model = self.model_cls(cfg, dtype, max_positions, self.attention_cls, backend,
+                                    lambda layer: self.make_mlp(cfg, dtype, layer))
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
         if cfg.tie_word_embeddings:
             # NOTE: one shared Parameter; named_parameters() then lists only the embedding, so the
@@ -284,13 +301,15 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        prompt_lens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``input_ids, positions [T] int64 -> hidden [T, hidden]`` in the model dtype.
 
-        ``kv_caches`` holds one ``(k_cache, v_cache)`` per layer. Changes: writes K/V at
-        ``meta.slot_mapping`` in every layer's cache.
+        ``kv_caches`` holds one ``(k_cache, v_cache)`` per layer. ``prompt_lens [T]`` int64: the prompt
+        length (tokens) of each token's request; only "longrope" RoPE reads it (``RotaryEmbedding``).
+        Changes: writes K/V at ``meta.slot_mapping`` in every layer's cache.
         """
-        return self.model(input_ids, positions, kv_caches, meta)
+        return self.model(input_ids, positions, kv_caches, meta, prompt_lens)
 
     def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """``hidden [N, hidden] -> logits [N, vocab]`` in ``dtype`` (None: the model dtype, no copy).
@@ -302,4 +321,7 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         if self.config.logits_scaling != 1.0:  # Granite
             logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma2/3, in the model dtype as transformers
+            logits = torch.tanh(logits / cap) * cap
         return logits if dtype is None else logits.to(dtype)

@@ -21,6 +21,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("tandem.models.mixtral", "MixtralForCausalLM"),
     "OlmoeForCausalLM": ("tandem.models.olmoe", "OlmoeForCausalLM"),
     "GraniteMoeForCausalLM": ("tandem.models.granitemoe", "GraniteMoeForCausalLM"),
+    "Gemma2ForCausalLM": ("tandem.models.gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("tandem.models.gemma", "Gemma3ForCausalLM"),
+    "Phi3ForCausalLM": ("tandem.models.phi3", "Phi3ForCausalLM"),
 }
 assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES)
 

@@ -20,6 +20,8 @@ import asyncio
 import dataclasses
 import logging
 import os
+import sys
+import time
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -44,23 +46,48 @@ NO_TOKENIZER = ("the kv-aware policy needs the backends' tokenizer: pass --token
                 "/v1/models names a local folder)")
 
 
-def with_default_tokenizer(config: RouterConfig) -> RouterConfig:
+def _models_root(url: str, timeout_s: float) -> tuple[bool, Any]:
+    """(answered, the first model's ``root``) of ``url``'s ``GET /v1/models``; answered is False when
+    it could not be reached or did not answer 200 JSON."""
+    try:
+        r = httpx.get(f"{url}/v1/models", timeout=timeout_s)
+        if r.status_code != 200:
+            return False, None
+        return True, r.json()["data"][0].get("root")
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return False, None
+
+
+def with_default_tokenizer(config: RouterConfig, clock=time.monotonic, sleep=time.sleep) -> RouterConfig:
     """``config`` with ``tokenizer`` set to the first answering backend's ``/v1/models`` ``root`` when
-    that is a local path and none was given (blocking HTTP, before the server starts).
+    that is a local path and none was given (blocking HTTP, before the server starts). When kv-aware
+    needs it and no backend answers yet (they may still be loading), polls every second for up to
+    ``backend_startup_timeout_s``, saying so once on stderr.
 
     Raises:
-        ConfigError: kv-aware and no tokenizer found.
+        ConfigError: kv-aware and no tokenizer found (a backend answered without a local ``root``, or
+            none answered in time).
     """
     if config.tokenizer is not None:
         return config
-    for url in config.backends:
-        try:
-            root = httpx.get(f"{url}/v1/models", timeout=config.connect_timeout_s).json()["data"][0].get("root")
-        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
-            continue
-        if isinstance(root, str) and os.path.exists(root):
-            return dataclasses.replace(config, tokenizer=root)
-        break
+    deadline = clock() + (config.backend_startup_timeout_s if config.policy == "kv-aware" else 0.0)
+    said = False
+    while True:
+        for url in config.backends:
+            answered, root = _models_root(url, config.connect_timeout_s)
+            if not answered:
+                continue
+            if isinstance(root, str) and os.path.exists(root):
+                return dataclasses.replace(config, tokenizer=root)
+            deadline = 0.0  # a backend answered without a local tokenizer path: waiting will not help
+            break
+        if clock() >= deadline:
+            break
+        if not said:
+            print(f"tandem router: waiting up to {config.backend_startup_timeout_s:g} s for a backend to answer "
+                  "/v1/models (kv-aware needs its tokenizer; or pass --tokenizer)", file=sys.stderr, flush=True)
+            said = True
+        sleep(1.0)
     if config.policy == "kv-aware":
         raise ConfigError(NO_TOKENIZER)
     return config
@@ -251,6 +278,17 @@ def run_router(config: RouterConfig, log_level: str = "info") -> int:
 
     config = with_default_tokenizer(config)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # NOTE: not a line per proxied request
-    uvicorn.run(build_app(RouterService(config)), host=config.host, port=config.port,
-                log_level=log_level.lower(), timeout_graceful_shutdown=5)
-    return 0
+    service = RouterService(config)
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if not self.should_exit:  # listening: the one line a user (or a script) waits for
+                print(f"tandem router: listening on http://{config.host}:{config.port} "
+                      f"({len(service.backends)} backends, policy {config.policy}, block size {service.block_size})",
+                      file=sys.stderr, flush=True)
+
+    server = _Server(uvicorn.Config(build_app(service), host=config.host, port=config.port,
+                                    log_level=log_level.lower(), timeout_graceful_shutdown=5))
+    server.run()
+    return 0 if server.started else 1

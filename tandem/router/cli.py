@@ -44,6 +44,9 @@ def add_router_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--max-eject-seconds", type=float, default=30.0)
     r.add_argument("--connect-timeout", type=float, default=2.0, help="seconds to connect to a backend")
     r.add_argument("--request-timeout", type=float, default=600.0, help="seconds for a backend's whole response")
+    r.add_argument("--backend-startup-timeout", type=float, default=300.0,
+                   help="kv-aware without --tokenizer: seconds to wait at start for a backend to answer /v1/models "
+                        "(backends may still be loading; default 300, 0: do not wait)")
     r.set_defaults(func=cmd_router)
     return r
 
@@ -55,7 +58,8 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         chat_template=args.chat_template, block_size=args.block_size, kv_events=tuple(args.kv_events),
         max_outstanding_per_backend=args.max_outstanding_per_backend, health_interval_s=args.health_interval,
         failure_threshold=args.failure_threshold, eject_s=args.eject_seconds, max_eject_s=args.max_eject_seconds,
-        connect_timeout_s=args.connect_timeout, request_timeout_s=args.request_timeout, host=args.host,
+        connect_timeout_s=args.connect_timeout, request_timeout_s=args.request_timeout,
+        backend_startup_timeout_s=args.backend_startup_timeout, host=args.host,
         port=args.port)
 
 

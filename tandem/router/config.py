@@ -33,6 +33,9 @@ class RouterConfig:
         failure_threshold, eject_s, max_eject_s: see ``health.BackendHealth``.
         connect_timeout_s / request_timeout_s: to a backend: connecting / the whole response.
         retry_after_s: the ``Retry-After`` of the router's own 429 and 503 answers.
+        backend_startup_timeout_s: how long the router waits at start for a backend to answer
+            ``/v1/models`` when it must find the tokenizer there (kv-aware without ``tokenizer``):
+            backends may still be loading (0: do not wait).
         approx_capacity_blocks: the assumed cache size of a backend without KV events (None: its
             ``/load`` ``num_kv_blocks``, else ``kv_index.DEFAULT_APPROX_CAPACITY_BLOCKS``).
 
@@ -55,6 +58,7 @@ class RouterConfig:
     connect_timeout_s: float = 2.0
     request_timeout_s: float = 600.0
     retry_after_s: float = 1.0
+    backend_startup_timeout_s: float = 300.0
     approx_capacity_blocks: int | None = None
     host: str = "127.0.0.1"
     port: int = 8080
@@ -84,6 +88,8 @@ class RouterConfig:
         for name in ("health_interval_s", "eject_s", "connect_timeout_s", "request_timeout_s", "retry_after_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.backend_startup_timeout_s < 0:
+            raise ConfigError(f"--backend-startup-timeout must be >= 0, got {self.backend_startup_timeout_s}")
         if self.max_eject_s < self.eject_s:
             raise ConfigError(f"max_eject_s ({self.max_eject_s}) must be >= eject_s ({self.eject_s})")
         if self.failure_threshold < 1:

@@ -75,15 +75,23 @@ class BackendHealth:
         self.backend.probation = state is HealthState.HALF_OPEN
 
     def eject(self, reason: str) -> None:
-        """Stops routing to the backend for ``backoff_s`` seconds (doubled after a half-open failure).
+        """Stops routing to the backend for ``backoff_s`` seconds (doubled after a half-open failure,
+        and after a failed probe of an ejected backend whose time was up: that one is not counted as
+        a new ejection). A failure reported while the backend is ejected and not yet due changes only
+        ``last_error``.
 
         Changes: state, ``ejections``, ``backoff_s``, ``ejected_until``, ``last_error``, ``backend.healthy``.
         """
+        if self.state is HealthState.EJECTED:
+            self.last_error = reason
+            if self.due_probe:  # its probe failed once its time was up: eject again, for longer
+                self.backoff_s = min(self.backoff_s * 2, self.max_eject_s)
+                self.ejected_until = self._clock() + self.backoff_s
+                logger.warning("backend %s still failing, ejected for %.1f s: %s", self.backend.name,
+                               self.backoff_s, reason)
+            return
         if self.state is HealthState.HALF_OPEN:
             self.backoff_s = min(self.backoff_s * 2, self.max_eject_s)
-        elif self.state is HealthState.EJECTED:
-            self.last_error = reason
-            return
         self.ejections += 1
         self.last_error = reason
         self.ejected_until = self._clock() + self.backoff_s

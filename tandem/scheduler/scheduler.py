@@ -196,7 +196,8 @@ class Scheduler:
             raise DuplicateRequestError(rid)
         if num_prompt == 0:
             raise ValueError(f"request {rid!r} has an empty prompt")
-        if request.max_tokens < 1:
+        prompt_only = request.max_tokens == 0 and request.sampling_params.prompt_logprobs is not None
+        if request.max_tokens < 1 and not prompt_only:  # NOTE: 0 runs the prompt alone, for its logprobs
             raise ValueError(f"request {rid!r}: max_tokens must be >= 1, got {request.max_tokens}")
         pool_tokens = self.kv_cache_manager.num_blocks * self.block_size
         if num_prompt > pool_tokens:

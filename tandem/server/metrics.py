@@ -48,6 +48,7 @@ KV_TRANSFER_COUNTERS = {
     "bytes_sent": "Prefill side: KV bytes sent.",
     "peers_refused": "Prefill side: KV transfer peers refused (identity, secret, protocol).",
     "pull_errors_served": "Prefill side: pulls refused (unknown or expired lease, reused blocks).",
+    "remote_hosts_refused": "Decode side: decode legs refused (400) for naming a producer outside prefill_hosts.",
 }
 
 

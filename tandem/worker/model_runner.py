@@ -25,6 +25,7 @@ from tandem.attention import AttentionBackend, AttentionMetadata, token_position
 from tandem.config import ConfigError, EngineConfig
 from tandem.kernels import registry
 from tandem.kv_cache import transfer
+from tandem.kv_cache.hashing import salted_root
 from tandem.kv_cache.storage import bytes_per_block, check_kv_memory, kv_cache_shape
 from tandem.models.hf_config import HFModelConfig, load_hf_config
 from tandem.models.llama import KVCache
@@ -45,11 +46,10 @@ logger = logging.getLogger(__name__)
 def resolve_context_len(requested: int | None, hf: HFModelConfig) -> int:
     """The longest context (tokens) the runner serves: ``requested`` or the model's own.
 
-    NOTE: without a sliding-window kernel, full attention is exact only while the context fits in
-    the window, so a model with ``sliding_window`` (e.g. Mistral 7B v0.1) is clamped to it by default.
+    A sliding window is no limit: those layers attend to their window over the paged cache.
 
     Raises:
-        ConfigError: ``requested`` exceeds ``max_position_embeddings`` or the sliding window.
+        ConfigError: ``requested`` exceeds ``max_position_embeddings``.
     """
     if requested is None:
         return hf.max_model_len
@@ -57,11 +57,6 @@ def resolve_context_len(requested: int | None, hf: HFModelConfig) -> int:
         raise ConfigError(
             f"max_model_len {requested} exceeds the model's max_position_embeddings "
             f"{hf.max_position_embeddings}"
-        )
-    if hf.sliding_window is not None and requested > hf.sliding_window:
-        raise ConfigError(
-            f"max_model_len {requested} exceeds the model's sliding window {hf.sliding_window}; "
-            f"sliding-window attention is not implemented, so use max_model_len <= {hf.sliding_window}"
         )
     return requested
 
@@ -252,6 +247,7 @@ class ModelRunner:
             hidden = self._forward(
                 [r.token_ids for r in rows], [r.num_computed_tokens for r in rows],
                 [r.block_ids for r in rows], self.kv_caches,
+                [self._prompt_len(r.request_id) for r in rows],
             )
             ends = list(itertools.accumulate(len(r.token_ids) for r in rows))
             self._add_prompt_logprobs(rows, hidden, ends)
@@ -338,6 +334,21 @@ class ModelRunner:
                 self.prompt_logprobs[new.request_id] = PromptLogprobsState(
                     len(new.prompt_token_ids), new.sampling_params.prompt_logprobs)
 
+    def block_hash_root(self, num_prompt_tokens: int) -> int | None:
+        """The parent hash of the first KV block of a request with ``num_prompt_tokens`` (None: the
+        default root): with longrope RoPE a prompt longer than ``original_max_position_embeddings`` puts
+        every token on the long factors (``layers.RotaryEmbedding``), so its blocks get their own root and
+        are never shared with short-factor blocks of the same tokens."""
+        rope = self.hf_config.rope
+        if rope.rope_type == "longrope" and num_prompt_tokens > rope.original_max_position_embeddings:
+            return salted_root("longrope/long")
+        return None
+
+    def _prompt_len(self, request_id: str) -> int:
+        """The prompt length (tokens) of a request the runner has seen, else 0."""
+        state = self.states.get(request_id)
+        return 0 if state is None else len(state.prompt_token_ids)
+
     def _state(self, request_id: str) -> SamplingState:
         try:
             return self.states[request_id]
@@ -352,8 +363,11 @@ class ModelRunner:
         num_computed: list[int],
         block_ids: list[list[int]],
         kv_caches: list[KVCache],
+        prompt_lens: list[int],
     ) -> torch.Tensor:
         """Flatten rows into one ragged batch and run the model: returns hidden ``[T, hidden]``.
+
+        ``prompt_lens[r]``: the prompt length (tokens) of row r's request (longrope RoPE reads it).
 
         Raises:
             ValueError: a row's context exceeds ``max_model_len`` or its block table.
@@ -365,7 +379,8 @@ class ModelRunner:
         meta = AttentionMetadata.build(num_computed, counts, block_ids, self.block_size)
         input_ids = torch.tensor(list(itertools.chain.from_iterable(token_ids)), dtype=torch.int64)
         positions = token_positions(meta.num_computed, torch.tensor(counts))
-        return self.model(input_ids, positions, kv_caches, meta)
+        token_prompt_lens = torch.repeat_interleave(torch.tensor(prompt_lens), torch.tensor(counts))
+        return self.model(input_ids, positions, kv_caches, meta, token_prompt_lens)
 
     def prompt_logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
         """Float32 logits ``[T, vocab]`` at every position of ``token_ids`` (for parity tests).
@@ -382,6 +397,7 @@ class ModelRunner:
         logits = []
         with torch.inference_mode():
             for start in range(0, len(token_ids), chunk):
-                hidden = self._forward([token_ids[start : start + chunk]], [start], [block_ids], caches)
+                hidden = self._forward([token_ids[start : start + chunk]], [start], [block_ids], caches,
+                                       [len(token_ids)])
                 logits.append(self.model.compute_logits(hidden))
         return torch.cat(logits)

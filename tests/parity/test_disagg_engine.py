@@ -22,7 +22,10 @@ from tandem.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from tandem.disagg import consumer as consumer_module
+from tandem.disagg.messages import LayerHeader
 from tandem.engine.core import EngineCore
+from tandem.models.resolve import resolve_model_path
 from tandem.request import Request
 from tandem.sampling_params import SamplingParams
 
@@ -39,13 +42,15 @@ def free_port() -> int:
 
 
 def engine(model: Path, role: str | None = None, *, dtype: str = "float32", block_size: int = BLOCK,
-           chunk: int = 0, speculative: SpeculativeConfig | None = None, **kv: object) -> EngineCore:
+           chunk: int = 0, speculative: SpeculativeConfig | None = None, prefix_caching: bool = True,
+           **kv: object) -> EngineCore:
     transfer = None
     if role is not None:
         kv.setdefault("kv_port", free_port())
         transfer = KVTransferConfig(kv_role=role, **kv)
     config = EngineConfig(model=ModelConfig(model=str(model), dtype=dtype),
-                          cache=CacheConfig(block_size=block_size, num_blocks=64),
+                          cache=CacheConfig(block_size=block_size, num_blocks=64,
+                                            enable_prefix_caching=prefix_caching),
                           scheduler=SchedulerConfig(long_prefill_token_threshold=chunk), kv_transfer=transfer,
                           speculative=speculative)
     return EngineCore(model, config, progress=False)
@@ -217,7 +222,7 @@ def test_handshake_mismatches_are_clear_errors(stories_dir, engines, change, exp
         got, outcome = run(consumer, "hs-d", PROMPT, dataclasses.replace(params, kv_transfer_params=kv_params),
                            secured)
         assert got == [] and expected in outcome["failed"], outcome
-        assert secured.stats().kv_transfer["peers_refused"] > refused  # the renew and the pull each tried
+        assert secured.stats().kv_transfer["peers_refused"] == refused + 1  # one decode leg, one refusal
         drain(consumer)
         assert_clean(consumer)
         secured.scheduler.kv_cache_manager.release(kv_params["remote_lease_id"])
@@ -281,6 +286,110 @@ def test_draft_model_kv_travels_with_speculation(stories_dir, engines):
                            producer)
         assert got == expected and outcome["remote_prefill"] == "pulled"
         assert consumer.stats().spec_num_drafts > 0
+        drain(producer, consumer)
+        assert_clean(producer, consumer)
+    finally:
+        producer.close()
+        consumer.close()
+
+
+def test_a_decode_leg_naming_an_unlisted_producer_is_refused_before_any_connection(engines):
+    _, producer, consumer = engines
+    params = SamplingParams(**GREEDY)
+    kv_params = prefill(producer, "ssrf-p", PROMPT, params)
+    before = consumer.stats().kv_transfer["remote_hosts_refused"]
+    for host, port in (("169.254.169.254", 80), ("10.0.0.5", kv_params["remote_port"])):
+        forged = {**kv_params, "remote_host": host, "remote_port": port}
+        with pytest.raises(ValueError, match=f"remote_host '{host}' \\(port {port}\\) is not an allowed prefill"):
+            consumer.add_request(Request(f"ssrf-{host}", list(PROMPT),
+                                         dataclasses.replace(params, kv_transfer_params=forged), max_tokens=8))
+    assert consumer.stats().kv_transfer["remote_hosts_refused"] == before + 2
+    assert not {host for host, _ in consumer.kv_connector.puller._peers} - {"127.0.0.1"}  # never connected
+    producer.scheduler.kv_cache_manager.release(kv_params["remote_lease_id"])
+    assert_clean(producer, consumer)
+
+
+class _Killed(Exception):
+    pass
+
+
+class DiesMidStream:
+    """Steps a prefill engine whose process "dies" while it streams a pull: after ``layers`` layers its KV
+    server stops sending and its socket closes (as a killed process's would); later steps do nothing."""
+
+    def __init__(self, core: EngineCore, layers: int) -> None:
+        self.core, self.dead = core, False
+        server = core.kv_connector.server
+        send, sent = server._send, []
+
+        def dying_send(peer: bytes, message: object, *frames: object) -> None:
+            if isinstance(message, LayerHeader):
+                if len(sent) == layers:
+                    time.sleep(0.1)  # NOTE: lets ZeroMQ flush the layers already sent before the socket closes
+                    raise _Killed
+                sent.append(message.layer)
+            send(peer, message, *frames)
+
+        server._send = dying_send
+
+    def step(self) -> None:
+        if self.dead:
+            return
+        try:
+            self.core.step()
+        except _Killed:
+            self.dead = True
+            self.core.close()
+
+
+@pytest.mark.parametrize("policy", ["fail", "local"])
+def test_producer_killed_in_the_middle_of_a_layer_stream(stories_dir, engines, monkeypatch, policy):
+    colocated = engines[0]
+    producer = engine(stories_dir, "kv_producer")
+    consumer = engine(stories_dir, "kv_consumer", prefill_failure_policy=policy, transfer_timeout_s=0.3)
+    frames: list[int] = []
+    as_tensor = consumer_module._as_tensor
+    monkeypatch.setattr(consumer_module, "_as_tensor", lambda frame, *a: frames.append(1) or as_tensor(frame, *a))
+    try:
+        assert len(producer.runner.kv_caches) > 2
+        params = SamplingParams(**GREEDY)
+        prompt = [t + 6 for t in OTHER]
+        expected, _ = run(colocated, f"kill-c-{policy}", prompt, params)
+        kv_params = prefill(producer, f"kill-p-{policy}", prompt, params)
+        dying = DiesMidStream(producer, layers=2)
+        got, outcome = run(consumer, f"kill-d-{policy}", prompt,
+                           dataclasses.replace(params, kv_transfer_params=kv_params), dying)
+        assert dying.dead and len(frames) == 4  # K and V of 2 layers arrived, then the producer died
+        if policy == "fail":
+            assert got == [] and "sent nothing for 0.3 s (KV blocks)" in outcome["failed"]
+        else:
+            assert got == expected and outcome["remote_prefill"] == "local_fallback"
+            assert "sent nothing for 0.3 s" in outcome["reason"]
+        assert consumer.stats().kv_transfer["pull_failures"] == 1
+        consumer.on_idle()  # the idle-time integrity check
+        drain(consumer)
+        assert_clean(consumer)
+    finally:
+        producer.close()
+        consumer.close()
+
+
+@pytest.mark.usefixtures("smollm2_available")
+def test_default_model_in_bf16_through_prefill_then_decode_equals_one_server():
+    model = resolve_model_path(None)
+    # NOTE: no prefix caching, so the reference, the prefill leg and the decode leg each compute their own KV
+    producer = engine(model, "kv_producer", dtype="bfloat16", block_size=16, prefix_caching=False)
+    consumer = engine(model, "kv_consumer", dtype="bfloat16", block_size=16, prefix_caching=False,
+                      prefill_failure_policy="fail")
+    try:
+        params = SamplingParams(**GREEDY)
+        prompt = PROMPT  # 37 tokens: 2 full blocks + 5 tokens
+        expected, _ = run(producer, "bf16-c", prompt, params)  # one server: prefill and decode together
+        kv_params = prefill(producer, "bf16-p", prompt, params)
+        got, outcome = run(consumer, "bf16-d", prompt, dataclasses.replace(params, kv_transfer_params=kv_params),
+                           producer)
+        assert outcome["remote_prefill"] == "pulled" and outcome["num_pulled_blocks"] == 3
+        assert got == expected and len(got) == 8
         drain(producer, consumer)
         assert_clean(producer, consumer)
     finally:

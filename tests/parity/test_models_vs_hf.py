@@ -22,13 +22,13 @@ TINY_VOCAB = 128
 NUM_NEW = 32
 
 
-def make_runner(model_dir: Path, block_size: int = 4, num_blocks: int = 64) -> ModelRunner:
+def make_runner(model_dir: Path, block_size: int = 4, num_blocks: int = 64, backend=None) -> ModelRunner:  # noqa: ANN001
     config = EngineConfig(
         model=ModelConfig(model=str(model_dir), dtype="float32"),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
         num_threads=1,
     )
-    runner = ModelRunner(model_dir, config, progress=False)
+    runner = ModelRunner(model_dir, config, progress=False, backend=backend)
     runner.initialize_kv_cache(num_blocks)
     return runner
 

@@ -3,8 +3,8 @@
 `FaultyBackend.mode` decides each answer: `ok` (a fixed 3-chunk stream or JSON answer), `error`
 (500 with an OpenAI error body), `slow` (ok, each chunk `delay_s` late), `midstream` (two chunks,
 then the connection breaks), `stall` (every request waits until `release` is set), `stall_shadow`
-(only shadow legs wait). It records
-every request's headers and body.
+(only shadow legs wait). With `stream_options.include_usage` its chunks carry `"usage": null` and a
+usage chunk comes last, as OpenAI's do. It records every request's headers and body.
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 TEXT_CHUNKS = ["Once", " upon", " a time"]
 
 
-def _chunk(text: str, finish: str | None, model: str) -> bytes:
+def _chunk(text: str, finish: str | None, model: str, usage: bool) -> bytes:
     event = {"id": "cmpl-faulty", "object": "text_completion", "created": 0, "model": model,
              "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+    if usage:
+        event["usage"] = None
     return f"data: {json.dumps(event)}\n\n".encode()
 
 
@@ -64,6 +66,13 @@ class FaultyBackend:
         async def models() -> JSONResponse:
             return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
+        @app.get("/v1/models/{model_id}")
+        async def model(model_id: str) -> JSONResponse:
+            if model_id != self.model:
+                return JSONResponse({"error": {"message": f"no model {model_id}", "type": "invalid_request_error",
+                                               "param": None, "code": "model_not_found"}}, status_code=404)
+            return JSONResponse({"id": self.model, "object": "model"})
+
         return app
 
     def release_shadows(self) -> None:
@@ -71,13 +80,14 @@ class FaultyBackend:
         self.loop.call_soon_threadsafe(self.release.set)
 
     async def _stream(self, body: dict[str, Any]):
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
         for i, text in enumerate(TEXT_CHUNKS):
             if self.mode == "midstream" and i == 2:
                 raise RuntimeError("planted mid-stream death")
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
-            yield _chunk(text, "length" if i == len(TEXT_CHUNKS) - 1 else None, self.model)
-        if (body.get("stream_options") or {}).get("include_usage"):
+            yield _chunk(text, "length" if i == len(TEXT_CHUNKS) - 1 else None, self.model, usage)
+        if usage:
             usage = {"id": "cmpl-faulty", "object": "text_completion", "created": 0, "model": self.model,
                      "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}}
             yield f"data: {json.dumps(usage)}\n\n".encode()

@@ -133,7 +133,7 @@ def test_a_killed_engine_core_is_restarted_while_the_other_serves(dp_server):
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
     statuses = []
     restarted = None
-    while time.monotonic() - t0 < 60:
+    while time.monotonic() - t0 < 240:  # NOTE: a restart is a fresh process importing torch: slow on a loaded machine
         statuses.append(httpx.post(f"{dp_server.url}/v1/completions", json=body, timeout=30).status_code)
         engines = httpx.get(f"{dp_server.url}/load", timeout=5).json()["engines"]
         if engines[1]["restarts"] == 1 and engines[1]["healthy"]:

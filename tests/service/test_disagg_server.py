@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -107,6 +108,26 @@ def test_role_checks_are_400(pd):
     assert answer.status_code == 400 and "remote_block_ids" in answer.json()["error"]["message"]
 
 
+def metric(server: Server, name: str) -> float:
+    lines = [line for line in httpx.get(server.url + "/metrics").text.splitlines() if line.startswith(name)]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+def test_a_client_chosen_remote_host_is_refused_with_a_400(pd):
+    prefill, decode, _ = pd
+    leg = {"prompt": PROMPT + " far away", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    params = httpx.post(prefill.url + "/v1/completions", json=leg, timeout=60).json()["kv_transfer_params"]
+    forged = {**params, "remote_host": "169.254.169.254", "remote_port": 80}
+    answer = httpx.post(decode.url + "/v1/completions", timeout=30, json={
+        "prompt": PROMPT + " far away", **GREEDY, "kv_transfer_params": forged})
+    assert answer.status_code == 400
+    error = answer.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"].startswith(
+        "kv_transfer_params.remote_host '169.254.169.254' (port 80) is not an allowed prefill engine")
+    assert metric(decode, "tandem:kv_transfer_remote_hosts_refused_total") == 1.0
+    assert metric(prefill, "tandem:kv_transfer_peers_refused_total") == 0.0
+
+
 async def _disconnecting_client(url: str, i: int, rng: random.Random) -> None:
     body = {"prompt": f"{PROMPT} number {i}", "temperature": 0.0, "max_tokens": 30, "ignore_eos": True,
             "stream": True}
@@ -120,12 +141,17 @@ async def _disconnecting_client(url: str, i: int, rng: random.Random) -> None:
             pass  # NOTE: the client went away, in the prefill leg or while the decode leg streamed
 
 
+# NOTE: the issue asks for 200; 200 took 125 s on this shared 2-core machine (24 take 9 s), far over the
+# suite's budget, so the suite sends 24 and TANDEM_DISAGG_DISCONNECTS=200 runs the full count.
+NUM_DISCONNECTING = int(os.environ.get("TANDEM_DISAGG_DISCONNECTS", "24"))
+
+
 def test_random_client_disconnects_leave_no_kv_on_either_side(pd):
     prefill, decode, url = pd
     rng = random.Random(7)
 
     async def main() -> None:
-        await asyncio.gather(*(_disconnecting_client(url, i, rng) for i in range(24)))
+        await asyncio.gather(*(_disconnecting_client(url, i, rng) for i in range(NUM_DISCONNECTING)))
 
     asyncio.run(main())
     deadline = time.monotonic() + 20  # NOTE: held leases expire within lease_ttl_s (3 s)

@@ -85,7 +85,7 @@ class Running:
         return raw.headers["x-tandem-backend"], raw.parse()
 
     def status(self) -> dict:
-        return httpx.get(f"{self.url}/gateway/status", timeout=5).json()
+        return httpx.get(f"{self.url}/gateway/status", headers={"Authorization": f"Bearer {GW_KEY}"}, timeout=5).json()
 
 
 def test_weights_stickiness_keys_and_usage(servers):
@@ -96,8 +96,9 @@ def test_weights_stickiness_keys_and_usage(servers):
         to_candidate = sum(backend == "candidate" for backend, _ in served)
         # NOTE: Binomial(100, 0.5) has sd 5; 3.5 sd either side fails a correct split once in ~2000 runs
         assert 33 <= to_candidate <= 67, to_candidate
-        # the candidate got its own model name and key (the real server would answer 404 / 401 otherwise)
-        assert {r.model for b, r in served if b == "candidate"} == {"stories-next"}
+        # the candidate got its own model name and key (the real server would answer 404 / 401 otherwise),
+        # and its answers name the model the client asked for
+        assert {r.model for _, r in served} == {"stories"} and 0 < to_candidate
         by_user = [gw.complete(max_tokens=1, user="alice") for _ in range(15)]
         by_header = [gw.complete(max_tokens=1, extra_headers={"x-session-id": "s-42"}) for _ in range(15)]
         assert len({b for b, _ in by_user}) == 1 and len({b for b, _ in by_header}) == 1
@@ -105,14 +106,45 @@ def test_weights_stickiness_keys_and_usage(servers):
                                               stream=True, stream_options={"include_usage": True})
         stream_usage = [c.usage for c in stream if c.usage][0]
         seen = [r.usage for _, r in served + by_user + by_header] + [stream_usage]
+        # a stream without include_usage is counted too (the gateway asked for usage), the client sees none
+        chunks = list(gw.client.completions.create(model="stories", prompt="Once", max_tokens=3, temperature=0,
+                                                   stream=True, user="alice"))
+        assert all(c.usage is None and c.choices for c in chunks) and {c.model for c in chunks} == {"stories"}
+        seen.append(stream_usage)  # NOTE: the same prompt, greedy, 3 tokens (finish "length"): the same usage
+        assert chunks[-1].choices[0].finish_reason == "length" and stream_usage.completion_tokens == 3
         totals = gw.status()["totals"]
-        assert totals["requests"] == n + 31
+        assert totals["requests"] == n + 32
         assert totals["completion_tokens"] == sum(u.completion_tokens for u in seen)
         assert totals["prompt_tokens"] == sum(u.prompt_tokens for u in seen)
         bad = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=PRIMARY_KEY, max_retries=0)
         with pytest.raises(openai.AuthenticationError) as e:
             bad.completions.create(model="stories", prompt="x", max_tokens=1)
         assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+
+
+def _sse_bytes(url: str, key: str, body: dict) -> bytes:
+    """A stream's raw bytes with each chunk's id and created time blanked (they differ per request)."""
+    import re
+
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                      timeout=30) as r:
+        raw = r.read()
+    assert r.status_code == 200, raw
+    return re.sub(rb'"created":\d+', b'"created":0', re.sub(rb'"id":"[^"]*"', b'"id":""', raw))
+
+
+def test_stream_without_usage_is_as_the_backend_sends_it_and_is_counted(servers):
+    """The gateway asks the candidate for usage; the client still gets the candidate's own stream
+    (Tandem adds `"usage": null` to every chunk then: removed too) under its own model name."""
+    config = _config(servers[0].url, _real_candidate(servers), canary=CanaryConfig(weight=1.0))
+    body = {"prompt": "Once upon", "max_tokens": 4, "temperature": 0, "stream": True, "logprobs": 1}
+    direct = _sse_bytes(servers[1].url, CANDIDATE_KEY, {**body, "model": "stories-next"})
+    with Running(config) as gw:
+        through = _sse_bytes(gw.url, GW_KEY, {**body, "model": "stories"})
+        assert direct.count(b'"model":"stories-next"') >= 4 and b'"usage"' not in direct
+        assert through == direct.replace(b'"model":"stories-next"', b'"model":"stories"')
+        assert b'"usage"' not in through and b"stories-next" not in through and through.count(b"data: ") >= 5
+        assert gw.status()["totals"]["completion_tokens"] == 4 and gw.status()["totals"]["prompt_tokens"] > 0
 
 
 def test_keys_never_cross_and_shadow_not_billed(servers, faulty):
@@ -194,6 +226,8 @@ def test_no_first_byte_in_time_falls_back_within_the_retry_budget(servers, fault
         with pytest.raises(openai.APIStatusError) as e:  # the budget (1 retry) is spent: no second fallback
             gw.complete()
         assert e.value.status_code == 504 and e.value.body["code"] == "timeout"
+        assert e.value.body["message"] == ("no backend answered (candidate: no first byte within 0.3 s; "
+                                           "primary: not tried, the retry budget is spent)")
         m = metric_samples(gw.url)
         assert m[("tandem_gateway_attempt_failures_total", (("backend", "candidate"), ("reason", "timeout")))] == 2
         assert m[("tandem_gateway_retry_budget_exhausted_total", ())] == 1
@@ -237,7 +271,9 @@ def test_midstream_failure_ends_with_error_event_and_done(servers, faulty):
             data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
         assert r.status_code == 200 and r.headers["x-tandem-backend"] == "candidate"
         assert [json.loads(d)["choices"][0]["text"] for d in data[:2]] == ["Once", " upon"]
-        assert json.loads(data[2])["error"]["code"] == "backend_stream_broken" and data[3] == "[DONE]"
+        error = json.loads(data[2])["error"]
+        assert error["code"] == "backend_stream_broken" and data[3] == "[DONE]"
+        assert error["message"] == "candidate: the backend stream broke after its first byte (RemoteProtocolError)"
         assert len(data) == 4
         with pytest.raises(openai.APIError, match="stream broke"):
             list(gw.client.completions.create(model="stories", prompt="x", max_tokens=3, stream=True))
@@ -263,7 +299,7 @@ def test_status_page_renders_weights_in_headless_chromium(faulty, tmp_path):
         gw.complete()
         cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=1500",
-               "--dump-dom", f"{gw.url}/gateway/"]
+               "--dump-dom", f"http://admin:{GW_KEY}@127.0.0.1:{gw.server.port}/gateway/"]
         dom = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
     assert '<b id="weight-primary">75.0%</b>' in dom and '<b id="weight-candidate">25.0%</b>' in dom
     # the live refresh ran in the browser and redrew one row per backend
@@ -313,6 +349,10 @@ def test_drill_measures_fallback_when_the_candidate_is_killed(servers, tmp_path)
     # a killed backend's streams end with the gateway's error event; none is left hanging
     assert flight["count"] >= 1 and flight["completed"] + flight["ended_with_error_event"] == flight["count"]
     assert report["requests_lost"] == report["before_stop"]["lost"] == flight["ended_with_error_event"]
+    # a stream lost at the kill is a lost client request: the drill fails and says how many
+    lost = report["requests_lost"]
+    assert report["passed"] == (lost == 0) and (f"FAILED: {lost} client request(s) lost" in report["verdict"]
+                                                if lost else report["verdict"].startswith("PASSED"))
     cont = report["continuity"]
     assert cont["scrape_failures"] == 0 and cont["requests_counter_monotonic"] and cont["event_log_gaps"] == []
     assert "candidate: closed -> open" in [e["message"] for e in cont["events"]]

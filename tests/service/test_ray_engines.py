@@ -1,9 +1,12 @@
-"""`tandem serve -dp 2 --data-parallel-backend ray` on a local Ray head started here
-(``ray.init(num_cpus=2, include_dashboard=False)``): two engine-core actors serve requests, and
-killing one actor's process gets it restarted by Ray, reconnected and counted in /metrics."""
+"""`tandem serve -dp 2 --data-parallel-backend ray` on a local Ray cluster started here: a head and a
+second node of one CPU each on this machine (``ray.cluster_utils.Cluster``, what ``ray start --head``
+plus ``ray start --address`` make; dashboard off). The two engine-core actors land on different
+nodes and serve requests, and killing one actor's process gets it restarted by Ray, reconnected and
+counted in /metrics."""
 
 from __future__ import annotations
 
+import socket
 import time
 
 import httpx
@@ -23,10 +26,15 @@ def actor_pids() -> list[int]:
 
 @pytest.fixture(scope="module")
 def ray_server(stories_dir, tmp_path_factory):
-    context = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
         s = Server(stories_dir, tmp_path_factory.mktemp("ray") / "server.log", "-dp", "2",
-                   "--data-parallel-backend", "ray", "--ray-address", context.address_info["gcs_address"],
+                   "--data-parallel-backend", "ray", "--ray-address", cluster.address,
                    "--served-model-name", MODEL)
         try:
             s.wait_healthy(timeout_s=300)
@@ -35,6 +43,7 @@ def ray_server(stories_dir, tmp_path_factory):
             s.stop()
     finally:
         ray.shutdown()
+        cluster.shutdown()
 
 
 def test_two_ray_engine_actors_serve_and_a_killed_one_is_restarted(ray_server, api_server):
@@ -46,8 +55,12 @@ def test_two_ray_engine_actors_serve_and_a_killed_one_is_restarted(ray_server, a
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected["choices"][0]["text"]
     load = httpx.get(f"{ray_server.url}/load", timeout=5).json()
     assert load["data_parallel_size"] == 2 and all(e["healthy"] for e in load["engines"])
+    groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+    assert len(groups) == 1 and len(set(groups[0]["bundles_to_node_id"].values())) == 2  # one engine per node
     pids = actor_pids()
     assert len(pids) == 2, pids
+    assert sorted(e["pid"] for e in load["engines"]) == pids  # /load names each actor's process
+    assert {e["host"] for e in load["engines"]} == {socket.gethostname()}
     psutil.Process(pids[1]).kill()
     t0 = time.monotonic()
     statuses = []

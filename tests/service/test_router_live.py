@@ -53,6 +53,7 @@ def _stream(url: str, **kw) -> list[tuple]:
 
 def test_streaming_passes_through_intact(cluster):
     router, backends = cluster
+    assert "tandem router: listening on http://127.0.0.1:" in router.log()  # the ready line
     direct = _stream(backends[0].url, max_tokens=24)
     assert len(direct) > 3 and direct[-1][3]["completion_tokens"] == 24
     for _ in range(2):  # whichever backend the router picks, the chunks are the direct ones

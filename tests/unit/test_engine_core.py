@@ -36,6 +36,9 @@ class WiredRunner:
             raise MemoryError("simulated OOM mid-forward")
         return self.fake.execute(out, self.block_size)
 
+    def block_hash_root(self, num_prompt_tokens: int) -> None:
+        return None
+
 
 class ListConnector:
     def __init__(self) -> None:

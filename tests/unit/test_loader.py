@@ -62,7 +62,7 @@ def test_config_legacy_rope_theta_and_scaling(tmp_path: Path) -> None:
 
 def test_config_unsupported_rope_type(tmp_path: Path) -> None:
     write_config(tmp_path, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
-    with pytest.raises(CheckpointError, match="rope type 'yarn' is not supported.*default, llama3"):
+    with pytest.raises(CheckpointError, match="rope type 'yarn' is not supported.*default, linear, llama3"):
         load_hf_config(tmp_path)
 
 
@@ -71,10 +71,13 @@ def test_config_qwen2_bias_and_sliding_window(tmp_path: Path) -> None:
                                         use_sliding_window=False))
     assert qwen2.attention_bias and qwen2.sliding_window is None and qwen2.max_model_len == 256
     mistral = load_hf_config(write_config(tmp_path, architectures=["MistralForCausalLM"], sliding_window=64))
-    assert mistral.sliding_window == 64 and mistral.max_model_len == 64
-    assert resolve_context_len(None, mistral) == 64 and resolve_context_len(48, mistral) == 48
-    with pytest.raises(ConfigError, match="exceeds the model's sliding window 64"):
-        resolve_context_len(128, mistral)
+    # the window is attended over the paged cache: no longer a context limit
+    assert mistral.sliding_window == 64 and mistral.max_model_len == 256
+    assert mistral.layer_windows == (64, 64) and mistral.layer_window(1) == 64
+    assert resolve_context_len(None, mistral) == 256 and resolve_context_len(128, mistral) == 128
+    qwen2_sliding = load_hf_config(write_config(tmp_path, architectures=["Qwen2ForCausalLM"], sliding_window=32,
+                                                use_sliding_window=True, max_window_layers=1))
+    assert qwen2_sliding.layer_windows == (None, 32)
     with pytest.raises(ConfigError, match="exceeds the model's max_position_embeddings 256"):
         resolve_context_len(512, qwen2)
 
@@ -183,3 +186,28 @@ def test_untied_checkpoint_without_lm_head(llama_copy: Path) -> None:
     save_file(tensors, str(path))
     with pytest.raises(CheckpointError, match=r"missing tensor\(s\) lm_head\.weight"):
         load_model(llama_copy, load_hf_config(llama_copy), progress=False)
+
+
+def test_config_gemma_layer_patterns_ropes_and_caps_in_the_older_layout(tmp_path: Path) -> None:
+    """Files without ``layer_types`` / ``rope_parameters`` (transformers < 4.54): each family's own rule."""
+    gemma2 = load_hf_config(write_config(tmp_path, architectures=["Gemma2ForCausalLM"], num_hidden_layers=3,
+                                         sliding_window=16, hidden_activation="gelu_pytorch_tanh",
+                                         query_pre_attn_scalar=144, attn_logit_softcapping=50.0,
+                                         final_logit_softcapping=30.0))
+    assert gemma2.layer_windows == (16, None, 16) and gemma2.hidden_act == "gelu_tanh"
+    assert gemma2.attention_multiplier == 144**-0.5 and gemma2.tie_word_embeddings
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping, gemma2.rope_local) == (50.0, 30.0, None)
+    gemma3 = load_hf_config(write_config(tmp_path, architectures=["Gemma3ForCausalLM"], num_hidden_layers=7,
+                                         sliding_window=16, sliding_window_pattern=3, rope_theta=1e6,
+                                         rope_local_base_freq=1e4, attn_logit_softcapping=50.0,
+                                         rope_scaling={"rope_type": "linear", "factor": 8.0}))
+    assert gemma3.layer_windows == (16, 16, None, 16, 16, None, 16)
+    assert (gemma3.rope.rope_type, gemma3.rope.theta, gemma3.rope.factor) == ("linear", 1e6, 8.0)
+    assert (gemma3.rope_local.rope_type, gemma3.rope_local.theta) == ("default", 1e4)
+    assert gemma3.attn_logit_softcapping is None  # transformers' Gemma3 attention does not apply it
+    with pytest.raises(CheckpointError, match="hidden_act 'relu' is not supported for this architecture"):
+        load_hf_config(write_config(tmp_path, hidden_act="relu"))
+    with pytest.raises(CheckpointError, match="hidden_act 'gelu_pytorch_tanh' is not supported.*only 'silu'"):
+        load_hf_config(write_config(tmp_path, hidden_act="gelu_pytorch_tanh"))  # a Llama with Gemma's MLP
+    with pytest.raises(CheckpointError, match="use_bidirectional_attention is not supported"):
+        load_hf_config(write_config(tmp_path, architectures=["Gemma3ForCausalLM"], use_bidirectional_attention=True))

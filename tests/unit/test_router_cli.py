@@ -17,12 +17,65 @@ from tandem.router.config import RouterConfig
     (["router", "--backend", "http://a:1", "--max-outstanding-per-backend", "0"],
      "max_outstanding_per_backend must be >= 1, got 0"),
     # nothing listens on port 1: no /v1/models names a tokenizer, and kv-aware needs one
-    (["router", "--backend", "http://127.0.0.1:1", "--connect-timeout", "0.5"],
+    (["router", "--backend", "http://127.0.0.1:1", "--connect-timeout", "0.5", "--backend-startup-timeout", "0"],
      "the kv-aware policy needs the backends' tokenizer: pass --tokenizer PATH"),
 ])
 def test_bad_router_settings_exit_2_with_the_reason(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_kv_aware_waits_for_a_loading_backend_to_name_its_tokenizer(tmp_path, capsys):
+    """Started before its backend answers, the router waits (saying so once) and finds the tokenizer."""
+    import http.server
+    import json
+    import socket
+    import threading
+    import time
+
+    from tandem.router.app import with_default_tokenizer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    class Models(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = json.dumps({"object": "list", "data": [{"id": "m", "root": str(tmp_path)}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    servers = []
+
+    def serve():  # binds only now: until then, connections are refused
+        servers.append(http.server.HTTPServer(("127.0.0.1", port), Models))
+        servers[0].serve_forever()
+
+    starter = threading.Timer(1.5, serve)  # the backend "finishes loading" after 1.5 s
+    starter.start()
+    try:
+        config = with_default_tokenizer(RouterConfig(backends=(f"http://127.0.0.1:{port}",),
+                                                     backend_startup_timeout_s=60.0))
+    finally:
+        starter.cancel()
+        while starter.is_alive() and not servers:
+            time.sleep(0.05)
+        if servers:
+            servers[0].shutdown()
+            servers[0].server_close()
+        starter.join()
+    assert config.tokenizer == str(tmp_path)
+    assert capsys.readouterr().err.count("tandem router: waiting up to 60 s for a backend") == 1
+    with pytest.raises(ConfigError, match="needs the backends' tokenizer"):  # and gives up at the deadline
+        with_default_tokenizer(RouterConfig(backends=(f"http://127.0.0.1:{port}",), backend_startup_timeout_s=1.0))
+    with pytest.raises(ConfigError, match="--backend-startup-timeout must be >= 0"):
+        RouterConfig(backends=("http://a:1",), backend_startup_timeout_s=-1)
 
 
 def test_kv_events_flag_needs_url_and_endpoint(capsys):

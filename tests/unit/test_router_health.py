@@ -56,6 +56,23 @@ def test_half_open_failure_doubles_the_ejection_up_to_the_cap():
     assert h.ejections == 4
 
 
+def test_a_backend_that_stays_down_is_ejected_for_longer_and_reports_the_time_left():
+    b, h, clock, ejected = _health(eject_s=2.0, max_eject_s=5.0)
+    h.on_connect_error("refused")
+    assert h.describe()["ejected_for_s"] == 2.0
+    for expected in (4.0, 5.0, 5.0):
+        clock.t = h.ejected_until  # time up: the checker probes, and the probe fails
+        assert h.due_probe
+        h.on_probe(False, "ConnectError: refused")
+        assert (h.state, h.backoff_s, h.ejected_until) == (HealthState.EJECTED, expected, clock.t + expected)
+        assert not h.due_probe and h.describe()["ejected_for_s"] == expected
+    assert h.ejections == 1 and ejected == ["refused"]  # one outage, one ejection
+    clock.t = h.ejected_until
+    h.on_probe(True)
+    h.on_response(200)
+    assert (h.state, h.backoff_s) == (HealthState.HEALTHY, 2.0)
+
+
 def test_5xx_ejects_after_the_threshold_in_a_row_only():
     b, h, _, _ = _health(failure_threshold=3)
     h.on_response(500)
@@ -75,8 +92,9 @@ def test_failed_active_check_ejects_a_healthy_backend():
     h.on_probe(False, "health check answered 503")
     assert h.state is HealthState.EJECTED and h.describe()["ejected_for_s"] == 2.0
     clock.t += 2.0
-    h.on_probe(False, "still down")  # due, still failing: stays out
+    h.on_probe(False, "still down")  # due, still failing: stays out, for twice as long
     assert h.state is HealthState.EJECTED and h.last_error == "still down"
+    clock.t += 4.0
     h.on_probe(True)
     h.on_probe(True)  # a second passing probe also ends probation
     assert h.state is HealthState.HEALTHY

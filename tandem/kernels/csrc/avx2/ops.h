@@ -14,6 +14,10 @@ std::vector<int64_t> omp_thread_ids(int64_t n);
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache,
                      at::Tensor v_cache, at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
                      at::Tensor query_start_loc, double scale, int64_t max_query_len);
+void paged_attention_ex(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache,
+                        at::Tensor v_cache, at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
+                        at::Tensor query_start_loc, double scale, int64_t max_query_len, int64_t window,
+                        double softcap);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin);
@@ -37,6 +41,11 @@ at::Tensor linear_q6_k(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::
 
 // moe.cpp
 at::Tensor moe_bf16(at::Tensor x, at::Tensor w13, at::Tensor w2, at::Tensor weights, at::Tensor ids);
+// moe_quant.cpp: int8 (per-channel) / int4 (Q4_0) experts, codes [E, N, K] / [E, N, K / 2]
+at::Tensor moe_int8(at::Tensor x, at::Tensor w13_q, at::Tensor w13_s, at::Tensor w2_q, at::Tensor w2_s,
+                    at::Tensor weights, at::Tensor ids);
+at::Tensor moe_int4(at::Tensor x, at::Tensor w13_q, at::Tensor w13_s, at::Tensor w2_q, at::Tensor w2_s,
+                    at::Tensor weights, at::Tensor ids);
 
 // ../decoder_layer.cpp (ISA-independent: calls the functions above)
 std::tuple<at::Tensor, at::Tensor> decoder_layer(

@@ -16,6 +16,12 @@
 // enter its max, sum or accumulator), and every score, sum and accumulator element is computed by
 // the same sequence of fp32 operations whatever the tile's size or the query's place in it (the
 // kernels below pad tiles instead of taking other code paths).
+//
+// Sliding window (paged_attention_ex, window W > 0): query position p sees keys p - W + 1 .. p. An item
+// starts at the chunk holding its lowest query's first key (earlier blocks are never read); a query
+// skips chunks wholly outside its window and masks the keys of a chunk below it, so it keeps the same
+// operations whatever its tile. Soft-capping (softcap c > 0, Gemma 2): each scaled score s becomes
+// c tanh(s / c) before the mask and the softmax.
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
@@ -45,7 +51,28 @@ struct Geometry {
   int64_t q_stride, out_stride;                     // elements between consecutive tokens
   int64_t tile;                                     // queries per work item
   float scale;
+  int64_t window;                                   // sliding window in keys; 0: full causal attention
+  float softcap;                                    // 0: none
 };
+
+// c tanh(s / c) for 8 lanes: tanh(y) = sign(y) (1 - e) / (1 + e) with e = e^(-2|y|), and for |y| < 1/8
+// its odd Taylor polynomial to y^9 (no cancellation in 1 - e); relative error < 1e-6.
+inline __m256 softcap8(__m256 s, float c) {
+  const __m256 cap = _mm256_set1_ps(c), one = _mm256_set1_ps(1.0f), sign_bit = _mm256_set1_ps(-0.0f);
+  const __m256 y = _mm256_div_ps(s, cap);
+  const __m256 a = _mm256_andnot_ps(sign_bit, y);
+  const __m256 e = tandem::avx2::exp8(_mm256_mul_ps(a, _mm256_set1_ps(-2.0f)));
+  const __m256 large = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+  const __m256 a2 = _mm256_mul_ps(a, a);
+  __m256 poly = _mm256_set1_ps(62.0f / 2835.0f);
+  poly = _mm256_fmadd_ps(poly, a2, _mm256_set1_ps(-17.0f / 315.0f));
+  poly = _mm256_fmadd_ps(poly, a2, _mm256_set1_ps(2.0f / 15.0f));
+  poly = _mm256_fmadd_ps(poly, a2, _mm256_set1_ps(-1.0f / 3.0f));
+  poly = _mm256_fmadd_ps(poly, a2, one);
+  const __m256 small = _mm256_mul_ps(a, poly);
+  const __m256 t = _mm256_blendv_ps(large, small, _mm256_cmp_ps(a, _mm256_set1_ps(0.125f), _CMP_LT_OQ));
+  return _mm256_mul_ps(_mm256_or_ps(t, _mm256_and_ps(y, sign_bit)), cap);
+}
 
 // Lane sums of 8 vectors, one per lane of the result, each as ((l0+l1)+(l2+l3)) + ((l4+l5)+(l6+l7)).
 inline __m256 reduce8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
@@ -177,7 +204,12 @@ void attend_tile(const Geometry& g, const T* q, const T* kc, const T* vc, const 
   }
   const int64_t first_pos = seq_len - n, last_pos = first_pos + i1 - 1;
   const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j0 = 0; j0 <= last_pos;) {
+  int64_t j_start = 0;  // the chunk (16-key step of a block) holding the tile's first visible key
+  if (g.window > 0) {
+    const int64_t lo = std::max<int64_t>(0, first_pos + i0 - g.window + 1);
+    j_start = lo / g.block_size * g.block_size + lo % g.block_size / kChunk * kChunk;
+  }
+  for (int64_t j0 = j_start; j0 <= last_pos;) {
     const int64_t off = j0 % g.block_size;
     const int64_t cnt = std::min<int64_t>({kChunk, g.block_size - off, seq_len - j0});
     const int64_t nk = std::min<int64_t>(cnt, last_pos + 1 - j0);  // keys some query of the tile sees
@@ -198,12 +230,20 @@ void attend_tile(const Geometry& g, const T* q, const T* kc, const T* vc, const 
       for (int64_t x = 0; x < nq2; x += 2)
         scores_2x4(qf + x * dp, qf + (x + 1) * dp, k4, dp, s + x * kChunk + jq, s + (x + 1) * kChunk + jq);
     }
+    if (g.softcap > 0.0f) {
+      for (int64_t x = 0; x < nq * kChunk; x += 8) _mm256_storeu_ps(s + x, softcap8(_mm256_loadu_ps(s + x), g.softcap));
+    }
     for (int64_t x = 0; x < nq; ++x) {  // online softmax update of query x over its visible keys
-      const int64_t visible = std::min<int64_t>(cnt, first_pos + i0 + x / g.group + 1 - j0);
-      sc.vis[x] = std::max<int64_t>(visible, 0);
-      if (visible <= 0) continue;
-      const __m256 mask_lo = _mm256_castsi256_ps(lane_mask8(visible));
-      const __m256 mask_hi = _mm256_castsi256_ps(lane_mask8(visible - 8));
+      const int64_t pos = first_pos + i0 + x / g.group;
+      const int64_t visible = std::min<int64_t>(cnt, pos + 1 - j0);
+      // keys of this chunk before the query's window (0 without a window: the same masks as then)
+      const int64_t skip = g.window > 0 ? std::max<int64_t>(0, pos - g.window + 1 - j0) : 0;
+      sc.vis[x] = visible > skip ? visible : 0;
+      if (visible <= skip) continue;
+      const __m256 mask_lo = _mm256_andnot_ps(_mm256_castsi256_ps(lane_mask8(skip)),
+                                              _mm256_castsi256_ps(lane_mask8(visible)));
+      const __m256 mask_hi = _mm256_andnot_ps(_mm256_castsi256_ps(lane_mask8(skip - 8)),
+                                              _mm256_castsi256_ps(lane_mask8(visible - 8)));
       const __m256 s_lo = _mm256_blendv_ps(neg_inf, _mm256_loadu_ps(s + x * kChunk), mask_lo);
       const __m256 s_hi = _mm256_blendv_ps(neg_inf, _mm256_loadu_ps(s + x * kChunk + 8), mask_hi);
       const float m_new = std::max(m[x], hmax8(_mm256_max_ps(s_lo, s_hi)));
@@ -250,7 +290,9 @@ std::vector<Item> plan(const int32_t* starts, const int32_t* lens, int64_t rows,
     if (n == 0 || n > max_query_len) continue;
     for (int64_t i0 = 0; i0 < n; i0 += g.tile) {
       const int64_t i1 = std::min(n, i0 + g.tile);
-      for (int64_t h = 0; h < g.num_kv; ++h) items.push_back({r, h, i0, i1, (i1 - i0) * (lens[r] - n + i1)});
+      int64_t keys = lens[r] - n + i1;  // the last query's context (its window, plus the tile's spread)
+      if (g.window > 0) keys = std::min(keys, g.window + i1 - i0);
+      for (int64_t h = 0; h < g.num_kv; ++h) items.push_back({r, h, i0, i1, (i1 - i0) * keys});
     }
   }
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
@@ -304,9 +346,12 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Te
 // every row r with 1 <= n_r <= max_query_len query tokens writes out[T, H, D] (rows with more query
 // tokens are left untouched for the caller). block_tables [R, M], seq_lens [R], query_start_loc [R+1]
 // are int32. q, k, v, out may have a token stride (views of a fused QKV output).
-void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache,
-                     at::Tensor v_cache, at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
-                     at::Tensor query_start_loc, double scale, int64_t max_query_len) {
+// paged_attention_ex also takes the sliding window (keys; 0: none) and the score soft-cap (0: none).
+void paged_attention_ex(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache,
+                        at::Tensor v_cache, at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
+                        at::Tensor query_start_loc, double scale, int64_t max_query_len, int64_t window,
+                        double softcap) {
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "paged_attention: window and softcap must be >= 0");
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "paged_attention: bf16 or fp32 only");
   for (const at::Tensor* t : {&out, &k, &v, &k_cache, &v_cache})
@@ -334,6 +379,8 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, a
   g.q_stride = q.stride(0);
   g.out_stride = out.stride(0);
   g.scale = static_cast<float>(scale);
+  g.window = window;
+  g.softcap = static_cast<float>(softcap);
   auto slots = slot_mapping.contiguous();
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
@@ -342,4 +389,11 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, a
     run<c10::BFloat16>(out, q, k, v, k_cache, v_cache, slots, tables, lens, qsl, g, max_query_len);
   else
     run<float>(out, q, k, v, k_cache, v_cache, slots, tables, lens, qsl, g, max_query_len);
+}
+
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache,
+                     at::Tensor v_cache, at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
+                     at::Tensor query_start_loc, double scale, int64_t max_query_len) {
+  paged_attention_ex(out, q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+                     max_query_len, 0, 0.0);
 }

@@ -1,0 +1,72 @@
+"""The P/D proxy (``router/pd.py``) against fake prefill and decode servers (httpx MockTransport, no model):
+vLLM's two legs, short prompts (``--disagg-min-prompt-tokens``) straight to decode, an unreachable
+prefill server, a prefill refusal passed through."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+
+from tandem.router.pd import PDConfig, PDProxy, build_pd_app
+
+PREFILL, DECODE = "http://prefill:8100", "http://decode:8200"
+KV = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 14579, "remote_block_ids": [0, 1]}
+
+
+def serve(body: dict, *, prefill_status: int = 200, prefill_down: bool = False) -> tuple[httpx.Response, list]:
+    """Sends ``body`` through a PDProxy (threshold 16 tokens) whose servers are fakes; returns the client's
+    answer and the (url, body) of every upstream request."""
+    seen: list[tuple[str, dict]] = []
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        sent = json.loads(request.content)
+        seen.append((str(request.url), sent))
+        if request.url.path == "/tokenize":
+            return httpx.Response(200, json={"count": len(sent["prompt"].split())})
+        if str(request.url).startswith(PREFILL):
+            if prefill_down:
+                raise httpx.ConnectError("connection refused")
+            if prefill_status != 200:
+                return httpx.Response(prefill_status, json={"error": {"message": "too long"}})
+            return httpx.Response(200, json={"choices": [{"text": "x"}], "kv_transfer_params": KV})
+        return httpx.Response(200, json={"choices": [{"text": "decoded"}], "kv_transfer_params": None})
+
+    async def main() -> httpx.Response:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(upstream))
+        proxy = PDProxy(PDConfig(prefill=(PREFILL,), decode=(DECODE,), min_prompt_tokens=16), client)
+        app = httpx.ASGITransport(app=build_pd_app(proxy))
+        async with httpx.AsyncClient(transport=app, base_url="http://router") as router:
+            return await router.post("/v1/completions", json=body)
+
+    return asyncio.run(main()), seen
+
+
+def test_long_prompt_takes_both_legs_as_vllm_sends_them():
+    body = {"prompt": " ".join(["word"] * 40), "max_tokens": 12, "stream": False, "temperature": 0.0}
+    answer, seen = serve(body)
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == "decoded"
+    assert [url for url, _ in seen] == [f"{DECODE}/tokenize", f"{PREFILL}/v1/completions", f"{DECODE}/v1/completions"]
+    prefill_leg, decode_leg = seen[1][1], seen[2][1]
+    assert prefill_leg == {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
+        "remote_host": None, "remote_port": None}}
+    assert decode_leg == {**body, "kv_transfer_params": KV}
+
+
+def test_short_prompt_goes_straight_to_decode():
+    body = {"prompt": "a short one", "max_tokens": 12}
+    answer, seen = serve(body)
+    assert answer.status_code == 200
+    assert seen == [(f"{DECODE}/tokenize", {"model": None, "prompt": "a short one"}),
+                    (f"{DECODE}/v1/completions", body)]
+
+
+def test_unreachable_prefill_lets_decode_prefill_and_a_refusal_is_passed_through():
+    body = {"prompt": " ".join(["word"] * 40), "max_tokens": 12}
+    answer, seen = serve(body, prefill_down=True)
+    assert answer.status_code == 200 and seen[-1] == (f"{DECODE}/v1/completions", body)
+    answer, seen = serve(body, prefill_status=400)
+    assert answer.status_code == 400 and answer.json() == {"error": {"message": "too long"}}
+    assert [url for url, _ in seen][-1] == f"{PREFILL}/v1/completions"
