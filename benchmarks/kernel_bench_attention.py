@@ -2,7 +2,7 @@
 
 Usage:
     python benchmarks/kernel_bench_attention.py [--variant avx2] [--threads 1] [--repeats 15]
-        [--clock wall|cpu] [--dtype bfloat16 float32] [--only attention elementwise]
+        [--clock wall|cpu] [--dtype bfloat16 float32] [--only attention elementwise window]
 
 Attention, one layer of the Qwen2.5-0.5B shape (14 query heads, 2 KV heads, head_dim 64, blocks of
 16 tokens, shuffled block ids), columns side by side in one run:
@@ -13,6 +13,9 @@ Attention, one layer of the Qwen2.5-0.5B shape (14 query heads, 2 KV heads, head
              (what ``CpuPagedAttention`` does for long prompt rows on ``avx512_bf16``)
 Rows: decode (1 query) at contexts 64 .. 2048, decode of 16 sequences at context 512, a 5-query
 speculative row, a 512-token prompt row, and a 512-token chunk after a 512-token cached prefix.
+Window (``paged_attention_ex``, avx2): decode at context 2048 and a 512-token chunk after 1536 cached
+tokens, with a sliding window of 256 and with soft-capping (cap 50), vs the same kernel without them
+and ``TorchRefAttention`` with them.
 Elementwise (one token, and 512 tokens; hidden 896, MLP 4864): rms_norm, fused_add_rms_norm,
 rotary_ on the q/k columns of a fused qkv output, silu_and_mul, vs the layers' PyTorch path.
 
@@ -106,6 +109,28 @@ def bench_attention(module, dtype: torch.dtype, repeats: int) -> None:  # noqa: 
         print(f"{name:<26}{us['kernel']:>10.1f}{us['torch_ref']:>11.1f}{sdpa}{us['torch_ref'] / us['kernel']:>11.1f}x")
 
 
+def bench_window(module, dtype: torch.dtype, repeats: int) -> None:  # noqa: ANN001
+    """Sliding window 256 / soft-cap 50 in the kernel vs the kernel without them and the torch reference."""
+    if not hasattr(module, "paged_attention_ex"):
+        print("\nwindow: this variant has no paged_attention_ex")
+        return
+    scale = HEAD_DIM**-0.5
+    print(f"\nwindow 256 / softcap 50, {str(dtype).removeprefix('torch.')} (median us per call)")
+    print(f"{'case':<32}{'full':>10}{'kernel':>10}{'torch_ref':>11}{'full/kernel':>13}")
+    for name, computed, scheduled in (("decode ctx 2048", [2047], [1]), ("chunk 512 after 1536", [1536], [512])):
+        for label, window, cap in (("window 256", 256, 0.0), ("softcap 50", 0, 50.0)):
+            q, k, v, caches, meta = attention_case(computed, scheduled, dtype)
+            out = torch.empty_like(q)
+            args = (out, q, k, v, *caches, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                    scale, 1 << 62)
+            us = median_us({"full": lambda a=args: module.paged_attention(*a),
+                            "kernel": lambda a=args, w=window, c=cap: module.paged_attention_ex(*a, w, c),
+                            "torch_ref": lambda a=args[1:6], m=meta, w=window or None, c=cap or None:
+                            TorchRefAttention()(*a, m, scale, w, c)}, repeats)
+            print(f"{name + ', ' + label:<32}{us['full']:>10.1f}{us['kernel']:>10.1f}{us['torch_ref']:>11.1f}"
+                  f"{us['full'] / us['kernel']:>12.2f}x")
+
+
 HIDDEN, INTERMEDIATE = 896, 4864
 
 
@@ -161,7 +186,8 @@ def main() -> None:
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: process CPU time (steadier on a shared machine; meaningful with --threads 1)")
     parser.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
-    parser.add_argument("--only", nargs="+", default=["attention", "elementwise"], choices=["attention", "elementwise"])
+    parser.add_argument("--only", nargs="+", default=["attention", "elementwise", "window"],
+                        choices=["attention", "elementwise", "window"])
     args = parser.parse_args()
     module = build.load_variant(args.variant)
     if module is None:
@@ -177,6 +203,8 @@ def main() -> None:
             bench_attention(module, dtype, args.repeats)
         if "elementwise" in args.only:
             bench_elementwise(module, dtype, args.repeats)
+        if "window" in args.only:
+            bench_window(module, dtype, args.repeats)
 
 
 if __name__ == "__main__":

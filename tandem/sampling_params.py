@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 _GREEDY_EPS = 1e-5
@@ -61,6 +61,23 @@ class StructuredOutputsParams:
             raise SamplingParamsError("structured_outputs.choice must be a non-empty list of non-empty strings",
                                       "structured_outputs.choice")
 
+    @classmethod
+    def from_dict(cls, value: Any) -> StructuredOutputsParams:
+        """The constraint of a request's ``structured_outputs`` object.
+
+        Raises:
+            SamplingParamsError: not an object, or a field this class does not have (named, with the
+                known ones), or what ``__post_init__`` refuses.
+        """
+        if not isinstance(value, dict):
+            raise SamplingParamsError("structured_outputs must be an object", "structured_outputs")
+        names = [f.name for f in fields(cls)]
+        unknown = [key for key in value if key not in names]
+        if unknown:
+            raise SamplingParamsError(f"structured_outputs has no field {unknown[0]!r}; its fields are "
+                                      f"{', '.join(names)}", "structured_outputs")
+        return cls(**value)
+
     @property
     def kind(self) -> str:
         """Which constraint is set: "json", "regex", "choice", "grammar" or "json_object"."""
@@ -81,8 +98,10 @@ class SamplingParams:
     - ``repetition_penalty`` (>1 discourages repeats, CTRL paper, Keskar et al. 2019) applies to prompt
       and output tokens; ``presence_penalty`` and ``frequency_penalty`` (OpenAI) to output tokens only.
     - ``seed`` makes the sample reproducible whatever else runs in the batch (a per-request generator).
-    - ``max_tokens`` None means "up to the model's context length"; ``min_tokens`` suppresses EOS and
-      ``stop_token_ids`` until that many tokens have been generated.
+    - ``max_tokens`` None means "up to the model's context length"; 0 (only with ``prompt_logprobs``)
+      runs the prompt alone: the request ends after its prefill with no output token, and its prompt
+      may fill the whole context. ``min_tokens`` suppresses EOS and ``stop_token_ids`` until that many
+      tokens have been generated.
     - ``logprobs`` N returns the sampled token's log-probability plus the N most likely tokens per
       position (log-softmax of the raw model logits, as vLLM does by default).
     - ``prompt_logprobs`` N (vLLM) returns, for every prompt token after the first, its log-probability
@@ -133,10 +152,7 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.structured_outputs, dict):
-            try:
-                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
-            except TypeError as e:
-                raise SamplingParamsError(f"structured_outputs: {e}", "structured_outputs") from None
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._check_types()
         if self.top_k == -1:
             self.top_k = 0
@@ -180,7 +196,8 @@ class SamplingParams:
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty",
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.max_tokens is None or 1 <= self.max_tokens < 2**31, "max_tokens",
+            (self.max_tokens is None or 1 <= self.max_tokens < 2**31
+             or (self.max_tokens == 0 and self.prompt_logprobs is not None), "max_tokens",
              f"max_tokens must be at least 1, got {self.max_tokens}"),
             (0 <= self.min_tokens < 2**31, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",

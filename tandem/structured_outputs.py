@@ -3,7 +3,14 @@
 ``grammar_text`` turns a ``StructuredOutputsParams`` into an llguidance grammar; ``check_grammar``
 refuses (400) one the engine cannot honour, naming the keyword: llguidance reports unimplemented
 JSON-schema keywords (``uniqueItems``, ``contains``, ``not``, ``dependentRequired``, ...) instead of
-ignoring them, and Tandem never sets its ``lenient`` option, so nothing is silently relaxed.
+ignoring them, and Tandem never sets its ``lenient`` option, so nothing is silently relaxed. A regex
+or grammar that matches no text at all (``[^\\s\\S]``, ``[a&&b]``) is refused too: llguidance
+reports an empty JSON schema itself, and for the others the check builds the grammar over a byte
+vocabulary and looks at its first mask (nothing but end-of-text allowed, and the empty text not in
+the language). Regexes (``regex`` and JSON-schema ``pattern``) follow ECMAScript's classes, as JSON
+Schema and xgrammar define them: ``\\d`` is ``[0-9]`` and ``\\w`` is ``[A-Za-z0-9_]`` (llguidance's
+Rust regexes would take every Unicode digit and letter); ``\\s`` stays Unicode whitespace (as in
+ECMAScript). Regexes inside a Lark ``grammar`` are passed as written (Rust syntax).
 """
 
 from __future__ import annotations
@@ -39,14 +46,59 @@ def grammar_text(params: StructuredOutputsParams) -> str:
             schema = json.loads(params.json) if isinstance(params.json, str) else params.json
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be an object")
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+            return llguidance.LLMatcher.grammar_from_json_schema(ecmascript_patterns(schema), defaults=options)
         if kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(params.regex)
+            return llguidance.LLMatcher.grammar_from_regex(ecmascript_classes(params.regex))
         if kind == "choice":
             return llguidance.grammar_from("choice", params.choice)
         return llguidance.grammar_from("grammar", params.grammar)
     except ValueError as e:  # NOTE: json.JSONDecodeError is a ValueError
         raise SamplingParamsError(f"invalid structured_outputs.{kind}: {e}", f"structured_outputs.{kind}") from None
+
+
+# ECMAScript's (JSON Schema's) meaning of the class escapes that Rust regexes read as Unicode classes;
+# Rust's regex syntax nests classes, so the replacement is valid inside ``[...]`` too.
+_ECMASCRIPT_CLASSES = {"d": "[0-9]", "D": "[^0-9]", "w": "[A-Za-z0-9_]", "W": "[^A-Za-z0-9_]"}
+_NOT_SCHEMAS = frozenset({"const", "enum", "default", "examples"})  # keywords whose values are data
+_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "dependentSchemas"})  # name -> schema
+
+
+def ecmascript_classes(regex: str) -> str:
+    """``regex`` with ``\\d``, ``\\D``, ``\\w``, ``\\W`` replaced by their ASCII classes (ECMA-262
+    section 22.2.2.9); other escapes, including ``\\\\d`` (a backslash, then ``d``), are kept."""
+    out, i = [], 0
+    while i < len(regex):
+        if regex[i] == "\\" and i + 1 < len(regex):
+            pair = regex[i + 1]
+            out.append(_ECMASCRIPT_CLASSES.get(pair, "\\" + pair))
+            i += 2
+        else:
+            out.append(regex[i])
+            i += 1
+    return "".join(out)
+
+
+def ecmascript_patterns(schema: Any) -> Any:
+    """A copy of a JSON schema whose ``pattern`` and ``patternProperties`` regexes use ECMAScript's
+    classes (``ecmascript_classes``); ``const``, ``enum``, ``default`` and ``examples`` values are data
+    and stay as given."""
+    if isinstance(schema, list):
+        return [ecmascript_patterns(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _NOT_SCHEMAS:
+            out[key] = value
+        elif key == "pattern" and isinstance(value, str):
+            out[key] = ecmascript_classes(value)
+        elif key == "patternProperties" and isinstance(value, dict):
+            out[key] = {ecmascript_classes(k): ecmascript_patterns(v) for k, v in value.items()}
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {k: ecmascript_patterns(v) for k, v in value.items()}  # NOTE: keys are names
+        else:
+            out[key] = ecmascript_patterns(value)
+    return out
 
 
 def check_grammar(params: StructuredOutputsParams, tokenizer: Any = None,
@@ -55,13 +107,17 @@ def check_grammar(params: StructuredOutputsParams, tokenizer: Any = None,
 
     Raises:
         SamplingParamsError: the schema uses a keyword llguidance does not implement (the message
-            names it, e.g. ``Unimplemented keys: ["uniqueItems"]``), or the regex / grammar / schema
-            is invalid; ``param`` is the request field to name.
+            names it, e.g. ``Unimplemented keys: ["uniqueItems"]``), the regex / grammar / schema is
+            invalid or matches no text; ``param`` is the request field to name.
     """
     text = grammar_text(params)
     error = _grammar_error(text) if tokenizer is None else _validate(text, tokenizer)
+    if error is None and params.kind in ("regex", "grammar") and _matches_nothing(text):
+        error = "it matches no text"
     if error is not None:
         what = "JSON schema" if params.kind == "json" else params.kind
+        if params.kind == "regex":
+            what = f"regex {params.regex!r}"
         raise SamplingParamsError(f"the {what} cannot be enforced: {error}", param)
     return text
 
@@ -75,3 +131,33 @@ def _validate(text: str, tokenizer: Any) -> str | None:
 def _grammar_error(text: str) -> str | None:
     """llguidance's error for a grammar (None: valid); cached, clients resend the same schemas."""
     return _validate(text, None)
+
+
+class _ByteVocabulary:
+    """A vocabulary of the 256 bytes plus an end-of-text token (id 256), for llguidance's
+    ``TokenizerWrapper``: grammars built over it show, model-free, which bytes may start the text."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
+    special_token_ids = [256]
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        return list(text if isinstance(text, bytes) else text.encode("utf-8"))
+
+
+@lru_cache(maxsize=1)
+def _byte_tokenizer() -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocabulary()), slices=[])
+
+
+@lru_cache(maxsize=1024)
+def _matches_nothing(text: str) -> bool:
+    """True if no text (not even the empty one) can satisfy the grammar, as far as its first mask
+    shows: no byte may start it and it does not accept the empty text. A grammar that dies later (a
+    Lark rule ``"a" /[^\\s\\S]/``) is not detected; it ends its request at that point."""
+    matcher = llguidance.LLMatcher(_byte_tokenizer(), text, log_level=0)
+    if matcher.is_error():
+        return False  # NOTE: reported by _grammar_error with llguidance's message
+    allowed = matcher.compute_logit_bias()
+    return not any(allowed[:256]) and not matcher.is_accepting()

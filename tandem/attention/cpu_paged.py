@@ -11,9 +11,10 @@ its new q/k/v when nothing of it is cached (``is_causal``), else on its context 
 the block table (as the reference does). Results match ``TorchRefAttention`` (tests/unit).
 
 Sliding-window layers and attention soft-capping (``window``, ``softcap``) go to the kernel where the
-loaded variant implements them (``kernels.supports_window_softcap``: ``avx2``); elsewhere every row of
-such a layer runs the SDPA / explicit-score path of ``torch_ref.attend``, which applies both. A window
-no shorter than the step's longest context is full attention and is dropped.
+loaded variant implements them (``kernels.supports_window_softcap``: ``avx2``); elsewhere the rows they
+change (every row with a cap; with a window, the rows whose context is longer than it) run the SDPA /
+explicit-score path of ``torch_ref.attend``, which applies both. A window no shorter than a row's
+context is full attention and is dropped for that row.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 from tandem import kernels
 from tandem.attention.metadata import AttentionMetadata
-from tandem.attention.torch_ref import attend, gather_context
+from tandem.attention.torch_ref import attend_cached
 from tandem.kernels import registry
 
 _LongRow = tuple[int, int, int, int, int]  # (row, start, end, num_computed, seq_len)
@@ -90,28 +91,31 @@ class CpuPagedAttention:
         Changes: writes this step's k/v into the caches at ``meta.slot_mapping``.
         """
         out = torch.empty(q.shape, dtype=q.dtype)
-        self._plan(meta, self.max_query_len)  # NOTE: sets _max_seq_len for this step
+        long_rows = self._plan(meta, self.max_query_len)  # NOTE: also sets _max_seq_len for this step
         if window is not None and window >= self._max_seq_len:
             window = None  # every key of every row is inside the window
-        plain = window is None and softcap is None
-        limit = self.max_query_len if plain or kernels.supports_window_softcap() else 0
-        kernels.paged_attention(out, q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
-                                meta.seq_lens, meta.query_start_loc, scale, limit, window or 0, softcap or 0.0)
-        for r, start, end, computed, seq_len in self._plan(meta, limit):
-            query = q[start:end].transpose(0, 1)  # [H, n, D]
-            if not plain:
-                keys = gather_context(k_cache, meta.block_tables[r], seq_len).transpose(0, 1)
-                values = gather_context(v_cache, meta.block_tables[r], seq_len).transpose(0, 1)
-                attn = attend(query, keys, values, computed + torch.arange(end - start), scale, window, softcap)
-            elif computed == 0:
+        caches = (k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+        if (window is None and softcap is None) or kernels.supports_window_softcap():
+            kernels.paged_attention(out, q, k, v, *caches, scale, self.max_query_len, window or 0, softcap or 0.0)
+            rows = long_rows
+        else:
+            # NOTE: a kernel without the window / cap serves only the rows they cannot change (a row's
+            # route depends on itself alone, so its result does not depend on the rest of the batch).
+            limit = 0 if softcap is not None else self.max_query_len
+            kernels.paged_attention(out, q, k, v, *caches, scale, limit)
+            rows = [row for row in self._plan(meta, 0)
+                    if row[2] - row[1] > limit or (window is not None and row[4] > window)]
+        for r, start, end, computed, seq_len in rows:
+            row_window = window if window is not None and seq_len > window else None
+            if row_window is None and softcap is None and computed == 0:
+                query = q[start:end].transpose(0, 1)  # [H, n, D]
                 keys, values = k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
                 attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale,
                                                       enable_gqa=keys.shape[0] != query.shape[0])
+                out[start:end] = attn.transpose(0, 1)
             else:
-                keys = gather_context(k_cache, meta.block_tables[r], seq_len).transpose(0, 1)
-                values = gather_context(v_cache, meta.block_tables[r], seq_len).transpose(0, 1)
-                attn = attend(query, keys, values, computed + torch.arange(end - start), scale)
-            out[start:end] = attn.transpose(0, 1)
+                out[start:end] = attend_cached(q[start:end], k_cache, v_cache, meta.block_tables[r], computed,
+                                               seq_len, scale, row_window, softcap)
         return out
 
 

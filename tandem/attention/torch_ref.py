@@ -21,12 +21,14 @@ def write_kv_cache(
     v_cache.view(-1, num_kv, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first ``seq_len`` tokens ``[seq_len, KV, D]`` of one row, read through its block table."""
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, start: int = 0) -> torch.Tensor:
+    """Tokens ``start .. seq_len - 1`` ``[seq_len - start, KV, D]`` of one row, read through its block table
+    (blocks wholly before ``start`` are not read)."""
     block_size = cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
-    blocks = cache[block_table[:num_blocks].long()]  # [n, B, KV, D]
-    return blocks.flatten(0, 1)[:seq_len]
+    first, num_blocks = start // block_size, -(-seq_len // block_size)
+    blocks = cache[block_table[first:num_blocks].long()]  # [n, B, KV, D]
+    offset = first * block_size
+    return blocks.flatten(0, 1)[start - offset : seq_len - offset]
 
 
 def attend(
@@ -37,16 +39,17 @@ def attend(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    key_start: int = 0,
 ) -> torch.Tensor:
     """Causal attention of one row: ``query [H, n, D]`` at positions ``query_pos [n]`` over ``keys, values
-    [KV, S, D]`` at positions ``0 .. S - 1`` -> ``[H, n, D]``.
+    [KV, S, D]`` at positions ``key_start .. key_start + S - 1`` -> ``[H, n, D]``.
 
     A query at position p sees keys ``p - window + 1 .. p`` (all keys up to p when ``window`` is None;
     transformers' ``sliding_window_overlay``). ``softcap`` caps the scaled scores to
     ``softcap * tanh(s / softcap)`` before the mask and softmax (Gemma 2, Gemma Team 2024); SDPA cannot,
     so the scores are then computed explicitly in (at least) float32 (transformers' ``eager_attention_forward``).
     """
-    key_pos = torch.arange(keys.shape[1])
+    key_pos = key_start + torch.arange(keys.shape[1])
     mask = key_pos[None, :] <= query_pos[:, None]  # [n, S]
     if window is not None:
         mask &= key_pos[None, :] > query_pos[:, None] - window
@@ -60,6 +63,26 @@ def attend(
     scores = torch.tanh(scores / softcap) * softcap
     probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
     return torch.matmul(probs.to(values.dtype), values)
+
+
+def attend_cached(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_computed: int,
+    seq_len: int,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """``attend`` for one row's ``query [n, H, D]`` (positions ``num_computed ..``) over its context in the
+    caches ``[N, B, KV, D]`` -> ``[n, H, D]``; with a window only from the first query's first key on."""
+    start = 0 if window is None else max(0, num_computed - window + 1)
+    keys = gather_context(k_cache, block_table, seq_len, start).transpose(0, 1)  # [KV, S, D]
+    values = gather_context(v_cache, block_table, seq_len, start).transpose(0, 1)
+    query_pos = num_computed + torch.arange(query.shape[0])
+    return attend(query.transpose(0, 1), keys, values, query_pos, scale, window, softcap, start).transpose(0, 1)
 
 
 class TorchRefAttention:
@@ -99,9 +122,6 @@ class TorchRefAttention:
             start, end = starts[r], starts[r + 1]
             if end == start:
                 continue
-            keys = gather_context(k_cache, meta.block_tables[r], seq_len).transpose(0, 1)  # [KV, S, D]
-            values = gather_context(v_cache, meta.block_tables[r], seq_len).transpose(0, 1)
-            query = q[start:end].transpose(0, 1)  # [H, n, D]
-            query_pos = computed[r] + torch.arange(end - start)
-            out[start:end] = attend(query, keys, values, query_pos, scale, window, softcap).transpose(0, 1)
+            out[start:end] = attend_cached(q[start:end], k_cache, v_cache, meta.block_tables[r], computed[r],
+                                           seq_len, scale, window, softcap)
         return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -10,6 +11,8 @@ from typing import Any
 from tandem.errors import ContextLengthExceededError, context_length_message
 from tandem.request import Request
 from tandem.sampling_params import SamplingParams, SamplingParamsError, child_seed
+
+logger = logging.getLogger(__name__)
 
 
 class PromptError(ValueError):
@@ -33,11 +36,13 @@ def check_context(max_model_len: int, num_prompt_tokens: int, max_tokens: int | 
     ``param``: the request field holding the prompt ("prompt" for completions, "messages" for chat);
     it is named in the message and the error.
 
+    ``max_tokens`` 0 (the prompt alone, for its logprobs) needs no room: the prompt may fill the context.
+
     Raises:
-        ContextLengthExceededError: ``num_prompt_tokens >= max_model_len`` or
-            ``num_prompt_tokens + max_tokens > max_model_len``.
+        ContextLengthExceededError: ``num_prompt_tokens >= max_model_len`` (``>`` for ``max_tokens`` 0)
+            or ``num_prompt_tokens + max_tokens > max_model_len``.
     """
-    if num_prompt_tokens >= max_model_len:
+    if num_prompt_tokens >= max_model_len and max_tokens != 0:
         raise ContextLengthExceededError(context_length_message(
             max_model_len, f"you requested {num_prompt_tokens} tokens in the {param}, which leaves no room for "
             f"the completion. Please reduce the length of the {param}."), num_prompt_tokens, max_model_len, param)
@@ -146,6 +151,7 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.chat_template = chat_template
+        self._tools_checked: set[str | None] = set()  # templates whose handling of ``tools`` was checked
         self.max_prompt_chars = max_prompt_chars(tokenizer, max_model_len)
 
     def check_structured_outputs(self, params: SamplingParams, param: str = "structured_outputs") -> None:
@@ -214,6 +220,9 @@ class InputProcessor:
         """Renders chat ``messages`` with the model's chat template (or ``chat_template``) into text;
         ``tools`` (OpenAI function specs) are handed to the template as transformers does.
 
+        The first request with ``tools`` also renders its messages without them: a template that
+        ignores ``tools`` is logged as a WARNING, once per template.
+
         Raises:
             PromptError: no template, or the template fails on these messages.
         """
@@ -223,12 +232,27 @@ class InputProcessor:
         if not messages:
             raise PromptError("messages must not be empty", "messages")
         try:
-            return self.tokenizer.apply_chat_template(
+            text = self.tokenizer.apply_chat_template(
                 messages, chat_template=template, tokenize=False,
                 add_generation_prompt=add_generation_prompt, tools=tools,
             )
+            if tools and template not in self._tools_checked:
+                self._check_renders_tools(text, messages, add_generation_prompt, template)
+            return text
         except Exception as e:  # NOTE: Jinja raises many types; all are the user's template/message problem.
             raise PromptError(f"the chat template failed on these messages: {e}", "messages") from e
+
+    def _check_renders_tools(self, text: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                             template: str | None) -> None:
+        """Logs a WARNING (once per template) when ``template`` renders the same prompt without the
+        tools: the model is never shown them (SmolLM2's own template, for one). Changes: the checked set."""
+        self._tools_checked.add(template)
+        plain = self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                   add_generation_prompt=add_generation_prompt)
+        if plain == text:
+            logger.warning("the chat template ignores `tools`: requests with tools get the same prompt as without "
+                           "them, so the model never sees the tool definitions; pass a template that renders "
+                           "them with --chat-template")
 
     def chat_prompt_ids(self, text: str) -> list[int]:
         """Token ids of a rendered chat prompt; the template already carries BOS, so add none.
@@ -260,7 +284,7 @@ class InputProcessor:
                 f"stop token id {bad_stop[0]} is out of the vocabulary [0, {self.vocab_size})", "stop_token_ids"
             )
         n_prompt = len(prompt_token_ids)
-        check_context(self.max_model_len, n_prompt, None)
+        check_context(self.max_model_len, n_prompt, 0 if params.max_tokens == 0 else None)
         room = self.max_model_len - n_prompt
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         requests = []

@@ -12,7 +12,6 @@ from tandem.gateway.config import (
     PRIMARY,
     BackendConfig,
     CanaryStep,
-    GateConfig,
     GatewayConfig,
     config_from_mapping,
     redact_text,
@@ -45,24 +44,50 @@ def parse_steps(spec: str | None) -> tuple[CanaryStep, ...]:
     return tuple(steps)
 
 
-# --gate-* flag -> GateConfig field, type, help
-GATE_FLAGS = (
-    ("window", "window_s", float, "seconds of the sliding window the gates look at (default 60)"),
-    ("min-requests", "min_requests", int, "candidate requests in the window before any gate (default 10)"),
-    ("max-error-rate", "max_error_rate", float, "candidate error rate that rolls back (default 0.05)"),
-    ("max-latency-ratio", "max_latency_ratio", float,
+# flag -> (GatewayConfig section, its field), type, help; the YAML keys of the same names
+SECTION_FLAGS = (
+    ("gate-window", "gates", "window_s", float, "seconds of the sliding window the gates look at (default 60)"),
+    ("gate-min-requests", "gates", "min_requests", int, "candidate requests in the window before any gate "
+     "(default 10)"),
+    ("gate-max-error-rate", "gates", "max_error_rate", float, "candidate error rate that rolls back (default 0.05)"),
+    ("gate-max-latency-ratio", "gates", "max_latency_ratio", float,
      "candidate p95 TTFT/TPOT over this x the primary's rolls back (default 2)"),
-    ("min-latency-samples", "min_latency_samples", int,
+    ("gate-min-latency-samples", "gates", "min_latency_samples", int,
      "streamed answers needed on each side before the latency gate (default 30)"),
-    ("max-divergence-rate", "max_divergence_rate", float, "shadow divergence rate that rolls back (default 0.2)"),
+    ("gate-max-divergence-rate", "gates", "max_divergence_rate", float,
+     "shadow divergence rate that rolls back (default 0.2)"),
+    ("gate-min-comparisons", "gates", "min_comparisons", int,
+     "shadow comparisons in the window before the divergence gate (default 10)"),
+    ("shadow-max-concurrency", "shadow", "max_concurrency", int,
+     "shadow legs in flight at once; a sample beyond it is dropped (default 4)"),
+    ("shadow-timeout", "shadow", "timeout_s", float, "seconds a shadow leg may take (default 120)"),
+    ("first-byte-timeout", "fallback", "first_byte_timeout_s", float,
+     "seconds to wait for a backend's first byte before the next one is tried (default 30)"),
+    ("read-timeout", "fallback", "read_timeout_s", float, "seconds between a backend's bytes (default 300)"),
+    ("retry-ratio", "fallback", "retry_ratio", float, "fallbacks allowed as a share of the window's requests "
+     "(default 0.5)"),
+    ("min-retries", "fallback", "min_retries", int, "fallbacks always allowed in the window (default 10)"),
+    ("breaker-failures", "fallback", "breaker_failures", int,
+     "consecutive failures that open a backend's breaker (default 5)"),
+    ("breaker-cooldown", "fallback", "breaker_cooldown_s", float,
+     "seconds an open breaker waits before its half-open probe (default 10)"),
 )
 
 
-def _gates_from_args(gates: GateConfig, args: argparse.Namespace) -> GateConfig:
-    given = {f: getattr(args, f"gate_{f}") for _, f, _, _ in GATE_FLAGS if getattr(args, f"gate_{f}") is not None}
+def _sections_from_args(config: GatewayConfig, args: argparse.Namespace) -> dict[str, Any]:
+    """The gates, shadow and fallback sections with every SECTION_FLAGS flag given on top."""
+    given: dict[str, dict[str, Any]] = {"gates": {}, "shadow": {}, "fallback": {}}
+    for _, section, fieldname, _, _ in SECTION_FLAGS:
+        value = getattr(args, f"{section}__{fieldname}")
+        if value is not None:
+            given[section][fieldname] = value
     if args.no_gates:
-        given["enabled"] = False
-    return dataclasses.replace(gates, **given)
+        given["gates"]["enabled"] = False
+    if args.shadow_fraction is not None:
+        given["shadow"]["fraction"] = args.shadow_fraction
+    if args.shadow_keep_samples:
+        given["shadow"]["keep_samples"] = True
+    return {section: dataclasses.replace(getattr(config, section), **values) for section, values in given.items()}
 
 
 def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -95,14 +120,8 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         canary = dataclasses.replace(canary, steps=parse_steps(args.canary_steps))
     if args.sticky_header:
         canary = dataclasses.replace(canary, sticky_header=args.sticky_header.lower())
-    shadow = config.shadow
-    if args.shadow_fraction is not None:
-        shadow = dataclasses.replace(shadow, fraction=args.shadow_fraction)
-    if args.shadow_keep_samples:
-        shadow = dataclasses.replace(shadow, keep_samples=True)
     return dataclasses.replace(
-        config, primary=primary, candidate=candidate, canary=canary, shadow=shadow,
-        gates=_gates_from_args(config.gates, args),
+        config, primary=primary, candidate=candidate, canary=canary, **_sections_from_args(config, args),
         api_key=args.api_key if args.api_key is not None else config.api_key,
         host=args.host or config.host, port=args.port or config.port,
     )
@@ -138,8 +157,10 @@ def _add_gateway(sub: Any) -> None:
                    help="promotion ladder, e.g. 0.05:300,0.25:600,1:0 (weight:hold seconds)")
     g.add_argument("--sticky-header", default=None, help="header pinning a client to one side (default "
                    "x-session-id; else the body's user field)")
-    for flag, fieldname, kind, text in GATE_FLAGS:
-        g.add_argument(f"--gate-{flag}", dest=f"gate_{fieldname}", type=kind, default=None, help=text)
+    for flag, section, fieldname, kind, text in SECTION_FLAGS:
+        metavar = "SECONDS" if fieldname.endswith("_s") else "N" if kind is int else "X"
+        g.add_argument(f"--{flag}", dest=f"{section}__{fieldname}", type=kind, default=None, metavar=metavar,
+                       help=text)
     g.add_argument("--no-gates", action="store_true", help="never roll back (canary steps still promote)")
     g.add_argument("--shadow-fraction", type=float, default=None, help="share of primary traffic mirrored")
     g.add_argument("--shadow-keep-samples", action="store_true",

@@ -195,11 +195,12 @@ class Gateway:
                 break
             tried += 1
             backend = self.backends[name]
-            rewrite = listing_rewrite(backend, raw) if request.method == "GET" and path == "models" \
-                else rewrite_request(backend, raw, parsed, generation)
+            own_path, rewrite = path, rewrite_request(backend, raw, parsed, generation)
+            if request.method == "GET" and (path == "models" or path.startswith("models/")):
+                own_path, rewrite = listing_rewrite(backend, raw, path)
             try:
                 opened = await open_attempt(
-                    self.client, backend, request.method, f"v1/{path}", request.url.query,
+                    self.client, backend, request.method, f"v1/{own_path}", request.url.query,
                     backend_headers(backend, request.headers), rewrite.body,
                     self.config.fallback.first_byte_timeout_s)
             except AttemptFailed as e:

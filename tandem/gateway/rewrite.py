@@ -49,13 +49,18 @@ def _wants_usage(parsed: dict[str, Any]) -> bool:
     return isinstance(options, dict) and options.get("include_usage") is True
 
 
-def listing_rewrite(backend: BackendConfig, raw: bytes) -> Rewrite:
-    """A `GET /v1/models` for `backend`: the body unchanged, each mapped model id given back (when
-    two client names map to one backend name, the first one)."""
+def listing_rewrite(backend: BackendConfig, raw: bytes, path: str = "models") -> tuple[str, Rewrite]:
+    """A `GET /v1/models` or `/v1/models/{id}` (`path` under /v1) for `backend`: the path with a
+    mapped id renamed, and the Rewrite that gives each mapped model id back in the answer (when two
+    client names map to one backend name, the first one)."""
+    asked = path.removeprefix("models/") if path.startswith("models/") else None
+    if asked in backend.model_map:
+        own = backend.model_map[asked]
+        return f"models/{own}", Rewrite(raw, (("id", own, asked),))
     back: dict[str, str] = {}
     for client, own in backend.model_map.items():
         back.setdefault(own, client)
-    return Rewrite(raw, tuple(("id", own, client) for own, client in back.items()))
+    return path, Rewrite(raw, tuple(("id", own, client) for own, client in back.items()))
 
 
 def rewrite_request(backend: BackendConfig, raw: bytes, parsed: Any, generation: bool) -> Rewrite:

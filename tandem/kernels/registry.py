@@ -41,6 +41,8 @@ UNLIMITED = 1 << 30  # what ``max_tokens`` returns for "any size" (fits the kern
 _LINEAR_OPS = ("linear_bf16", "linear_int8", "linear_int4", "linear_q8_0", "linear_q4_1")
 # GGUF blocks, kernels/csrc/avx2/linear_kquant.cpp
 _AVX2_ONLY_LINEAR_OPS = ("linear_q5_0", "linear_q4_k", "linear_q6_k")
+# int8 / int4 experts, kernels/csrc/avx2/moe_quant.cpp
+_AVX2_ONLY_MOE_OPS = ("moe_int8", "moe_int4", "moe_q8_0")
 _DEQUANT_OPS = ("dequantize", "dequantize_q8_0", "dequantize_q4_1")
 _ELEMENTWISE_OPS = ("rms_norm", "fused_add_rms_norm", "rotary", "rotary_", "silu_and_mul")
 _THREAD_OPS = ("bind_omp_threads", "omp_thread_ids")
@@ -63,12 +65,12 @@ LIMITS: dict[str, dict[str, int | None]] = {
     **{op: _limits(None, _NONE) for op in _DEQUANT_OPS},
     "paged_attention": _limits(16, None),
     "decoder_layer": _limits(16, None),
-    **{op: _limits(_NONE, None) for op in _AVX2_ONLY_LINEAR_OPS},
+    **{op: _limits(_NONE, None) for op in _AVX2_ONLY_LINEAR_OPS + _AVX2_ONLY_MOE_OPS},
     # avx2 only for now; on avx512_bf16 models.moe.moe_grouped runs one linear_bf16 pair per expert
     "moe_bf16": _limits(_NONE, None),
 }
 # op -> {selected variant: the variant whose kernel runs instead}, for operators the selected one lacks.
-ROUTES: dict[str, dict[str, str]] = {op: {"avx512_bf16": "avx2"} for op in _AVX2_ONLY_LINEAR_OPS}
+ROUTES: dict[str, dict[str, str]] = {op: {"avx512_bf16": "avx2"} for op in _AVX2_ONLY_LINEAR_OPS + _AVX2_ONLY_MOE_OPS}
 
 # What each path is, for the start-up line, /metrics and /version.
 DESCRIPTIONS = {"avx512_bf16": "AVX-512 BF16 + VNNI", "avx2": "AVX2+FMA+F16C", "torch": "stock PyTorch ops"}

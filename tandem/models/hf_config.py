@@ -30,7 +30,7 @@ SUPPORTED_ARCHITECTURES = (
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # NOTE: "su" is longrope's old name in Phi-3 configs (transformers renames it on load).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "su")
-# hidden_act / hidden_activation per family: Gemma's MLP is GeGLU with tanh-approximated GELU.
+# The one MLP activation each family's blocks implement (Gemma: GeGLU with tanh-approximated GELU).
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # generation_config.json keys copied into SamplingParams defaults (same names there).
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
@@ -123,7 +123,7 @@ class HFModelConfig:
     clip_qkv: float | None = None  # OLMoE: q, k, v clamped to [-clip, clip] after the norm
     embedding_multiplier: float = 1.0  # Granite: embeddings scaled
     residual_multiplier: float = 1.0  # Granite: each block's output scaled before its residual add
-    attention_multiplier: float | None = None  # Granite: the attention scale instead of head_dim ** -0.5
+    attention_multiplier: float | None = None  # Granite, Gemma: the attention scale instead of head_dim ** -0.5
     logits_scaling: float = 1.0  # Granite: logits divided by it
     hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
     layer_windows: tuple[int | None, ...] = ()  # per layer: sliding window (tokens) or None; () = all None
@@ -201,7 +201,7 @@ def _build(cfg: dict[str, Any], gen: dict[str, Any], architecture: str, config_p
         residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
         attention_multiplier=_attention_multiplier(cfg, gemma),
         logits_scaling=float(cfg.get("logits_scaling", 1.0)),
-        hidden_act=_activation(cfg, config_path),
+        hidden_act=_activation(cfg, config_path, "gelu_pytorch_tanh" if gemma else "silu"),
         layer_windows=_layer_windows(cfg, architecture, window, config_path),
         # NOTE: transformers' Gemma3Attention never passes attn_logit_softcapping to its attention (5.x).
         attn_logit_softcapping=_optional_float(cfg, "attn_logit_softcapping")
@@ -224,11 +224,11 @@ def _attention_multiplier(cfg: dict[str, Any], gemma: bool) -> float | None:
     return _optional_float(cfg, "attention_multiplier")
 
 
-def _activation(cfg: dict[str, Any], path: Path) -> str:
-    """``hidden_activation`` (Gemma) or ``hidden_act`` as Tandem's MLP activation name."""
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
-    if act not in _ACTIVATIONS:
-        raise CheckpointError(f"{path}: hidden_act {act!r} is not supported ({', '.join(_ACTIVATIONS)})")
+def _activation(cfg: dict[str, Any], path: Path, expected: str) -> str:
+    """``hidden_activation`` (Gemma) or ``hidden_act``, which must be the family's ``expected`` one."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or expected
+    if act != expected:
+        raise CheckpointError(f"{path}: hidden_act {act!r} is not supported for this architecture (only {expected!r})")
     return _ACTIVATIONS[act]
 
 

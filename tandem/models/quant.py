@@ -306,7 +306,8 @@ class ConcatLinear(nn.Module):
 
 
 def quantize_model(model: nn.Module, method: str) -> nn.Module:
-    """Replace every ``Linear`` of ``model`` with a ``QuantizedLinear`` (int4 uses int8 for the LM head).
+    """Replace every ``Linear`` of ``model`` with a ``QuantizedLinear`` (int4 uses int8 for the LM head), and
+    every MoE block's ``FusedExperts`` with a ``models.moe_quant.QuantizedExperts``.
 
     Changes: ``model``'s modules in place; the float weights of replaced layers are freed, except a
     tied LM head's, which is the embedding table and stays (lookups read one row of it per token).
@@ -325,5 +326,9 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
         layer_method = "int8" if name.endswith("lm_head") else method
         with torch.no_grad():
             setattr(parent, attr, QuantizedLinear(module, layer_method))
+    # NOTE: imported here: models.moe_quant builds on this module's quantizers.
+    from tandem.models.moe_quant import quantize_experts
+
+    quantize_experts(model, method)
     return model
 

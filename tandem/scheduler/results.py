@@ -52,9 +52,13 @@ def append_tokens(request: Request, sampled: list[int], max_model_len: int) -> l
     """Appends ``sampled`` to the request's output until one of them stops it; returns those appended.
 
     Changes: ``output_token_ids``, and status / ``stop_reason`` when a token ends the request
-    (tokens sampled after the stop are dropped).
+    (tokens sampled after the stop are dropped). A request with ``max_tokens`` 0 keeps no token: its
+    first sample ends it ("length").
     """
     new_token_ids: list[int] = []
+    if sampled and request.max_tokens == 0:  # NOTE: a prompt-only request: it ends at its first sample
+        request.status = RequestStatus.FINISHED_LENGTH
+        return new_token_ids
     for token_id in sampled:
         request.output_token_ids.append(token_id)
         new_token_ids.append(token_id)

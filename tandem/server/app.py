@@ -24,14 +24,8 @@ from tandem.engine.async_llm import AsyncLLM
 from tandem.server import errors
 from tandem.server.metrics import ServerMetrics
 from tandem.server.openapi import error_responses, generation_responses, install_openapi
-from tandem.server.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
-    ModelCard,
-    ModelList,
-)
+from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.server.protocol_responses import ChatCompletionResponse, CompletionResponse, ModelCard, ModelList
 from tandem.server.service_routes import add_service_routes
 from tandem.server.serving_chat import OpenAIServingChat
 from tandem.server.serving_common import ModelNames

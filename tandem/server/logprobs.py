@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from tandem.outputs import PositionLogprobs, PromptLogprobs
-from tandem.server.protocol import (
+from tandem.server.protocol_responses import (
     ChatLogprobs,
     ChatTokenLogprob,
     ChatTopLogprob,
@@ -15,6 +15,18 @@ from tandem.server.protocol import (
 )
 
 MIN_LOGPROB = -9999.0  # what -inf becomes in JSON (OpenAI's and vLLM's clamp)
+EchoOffsets = tuple[list[int], int] | None  # an echoed text prompt: its tokens' offsets, its length
+
+
+def echo_offsets(tokenizer: Any, text: str, token_ids: list[int]) -> EchoOffsets:
+    """Where each of ``token_ids`` (the tokenization of ``text``) starts in ``text``, and its length;
+    None when the tokenizer gives no offset mapping (a slow tokenizer) or tokenizes differently."""
+    if not getattr(tokenizer, "is_fast", False):
+        return None
+    encoding = tokenizer(text, return_offsets_mapping=True)
+    if list(encoding["input_ids"]) != token_ids:
+        return None
+    return [start for start, _ in encoding["offset_mapping"]], len(text)
 
 
 def token_text(tokenizer: Any, token_id: int, logprob: Any = None) -> str:
@@ -29,17 +41,24 @@ def _top(position: PositionLogprobs, num: int) -> list[tuple[int, Any]]:
 
 
 def completion_logprobs(
-    tokenizer: Any, token_ids: list[int], positions: list[PositionLogprobs | None], num: int, text_offset: int
+    tokenizer: Any, token_ids: list[int], positions: list[PositionLogprobs | None], num: int, text_offset: int,
+    prompt: EchoOffsets = None,
 ) -> tuple[CompletionLogprobs, int]:
     """Completions ``logprobs`` for these tokens; ``text_offset`` is the character offset of the
-    first one. Returns the object and the offset after the last token.
+    first one. Returns the object and the offset after the last token. ``text_offset[i]`` is where
+    token i starts in the choice's text: each token's text length is added to the next offset, except
+    for the echoed text prompt ``prompt = (offsets, characters)``, whose first tokens have their
+    offsets in the prompt string (the tokenizer's offset mapping: BOS is a zero-length token at 0, a
+    leading space marker adds no character) and after which the output starts at ``characters``.
 
     ``top_logprobs`` holds the ``num`` most likely tokens plus the chosen one (OpenAI: up to
     ``logprobs + 1`` entries). A None position (the prompt's first token, under ``echo``) gives a
     null logprob and null top (OpenAI's format). -inf is sent as -9999.0.
     """
     out = CompletionLogprobs()
-    for token_id, position in zip(token_ids, positions, strict=False):
+    prompt_offsets, prompt_chars = prompt if prompt is not None else ([], 0)
+    next_offset = text_offset + prompt_chars  # where the next output token starts
+    for i, (token_id, position) in enumerate(zip(token_ids, positions, strict=False)):
         if position is None:
             text = tokenizer.decode([token_id])
             out.token_logprobs.append(None)
@@ -53,9 +72,12 @@ def completion_logprobs(
                 top.setdefault(text, max(chosen.logprob, MIN_LOGPROB))
             out.top_logprobs.append(top)
         out.tokens.append(text)
-        out.text_offset.append(text_offset)
-        text_offset += len(text)
-    return out, text_offset
+        if i < len(prompt_offsets):
+            out.text_offset.append(text_offset + prompt_offsets[i])
+        else:
+            out.text_offset.append(next_offset)
+            next_offset += len(text)
+    return out, next_offset
 
 
 def prompt_logprobs_json(prompt_logprobs: PromptLogprobs | None) -> PromptLogprobsJSON | None:

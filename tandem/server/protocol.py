@@ -1,4 +1,4 @@
-"""OpenAI request and response schemas (pydantic), following the OpenAI API reference.
+"""OpenAI request schemas (pydantic), following the OpenAI API reference (responses: ``protocol_responses.py``).
 
 Requests accept the OpenAI fields plus vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``request_id``, ``prompt_logprobs``,
@@ -11,7 +11,7 @@ knows but cannot honour (``logit_bias``, ``suffix``, ``best_of``, legacy ``funct
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
 from pydantic_core import PydanticCustomError
@@ -44,9 +44,6 @@ def checked(default: Any = None, **bounds: Any) -> Any:
     messages: pydantic does not check them again."""
     return Field(default, json_schema_extra=bounds)
 NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
-# Fields of both endpoints that Tandem knows and does not honour: a non-null value is a 400 naming it.
-UNSUPPORTED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-                      "allowed_token_ids", "bad_words", "logits_processors")
 
 
 def _first_lone_surrogate(value: Any) -> str | None:
@@ -93,7 +90,12 @@ class StreamOptions(OpenAIModel):
 
 
 class SamplingRequest(OpenAIModel):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions. ``unsupported``: the fields Tandem knows and
+    does not honour; a value other than null or empty is a 400 naming the field."""
+
+    unsupported: ClassVar[tuple[str, ...]] = (
+        "logit_bias", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+        "allowed_token_ids", "bad_words", "logits_processors")
 
     model: str | None = None
     n: Annotated[int, Field(le=MAX_N)] = checked(1, minimum=1)
@@ -132,10 +134,10 @@ class SamplingRequest(OpenAIModel):
     bad_words: Any = None
     logits_processors: Any = None
 
-    def refuse_unsupported(self, names: tuple[str, ...]) -> None:
-        """Raises: SamplingParamsError for the first of ``names`` given a non-null value."""
-        for name in names:
-            if getattr(self, name) is not None:
+    def refuse_unsupported(self) -> None:
+        """Raises: SamplingParamsError for the first of ``unsupported`` given a value (not null or empty)."""
+        for name in self.unsupported:
+            if getattr(self, name) not in (None, "", {}, []):
                 raise SamplingParamsError(f"{name} is not supported", name)
 
     def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str]:
@@ -149,10 +151,7 @@ class SamplingRequest(OpenAIModel):
             return fmt, "response_format"
         if fmt is not None:
             raise SamplingParamsError("give response_format or structured_outputs, not both", "structured_outputs")
-        try:
-            return StructuredOutputsParams(**self.structured_outputs), "structured_outputs"
-        except TypeError as e:
-            raise SamplingParamsError(f"structured_outputs: {e}", "structured_outputs") from None
+        return StructuredOutputsParams.from_dict(self.structured_outputs), "structured_outputs"
 
     @property
     def include_usage(self) -> bool:
@@ -168,9 +167,7 @@ class SamplingRequest(OpenAIModel):
         Raises:
             SamplingParamsError: an out-of-range or unsupported value (the server answers 400).
         """
-        if self.logit_bias:
-            raise SamplingParamsError("logit_bias is not supported", "logit_bias")
-        self.refuse_unsupported(UNSUPPORTED_FIELDS)
+        self.refuse_unsupported()
         if self.stream_options is not None and not self.stream:
             raise SamplingParamsError("stream_options is only allowed when stream is true", "stream_options")
         changes: dict[str, Any] = {
@@ -196,6 +193,7 @@ class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``. ``max_tokens`` absent or null: up to the context limit; 0 (with ``echo``)
     returns the prompt alone, with its logprobs when ``logprobs`` is set (the legacy OpenAI API, vLLM)."""
 
+    unsupported: ClassVar[tuple[str, ...]] = (*SamplingRequest.unsupported, "suffix")
     prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(json_schema_extra={"minItems": 1})] | TokenIds | \
         Annotated[list[TokenIds], Field(json_schema_extra={"minItems": 1})]
     max_tokens: TokenCount | None = checked(minimum=0)  # NOTE: 0 only with echo (a 400 otherwise)
@@ -206,20 +204,17 @@ class CompletionRequest(SamplingRequest):
 
     def sampling_params(self, defaults: SamplingParams) -> SamplingParams:
         """Raises: SamplingParamsError on unsupported combinations or values."""
-        if self.suffix:
-            raise SamplingParamsError("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise SamplingParamsError("best_of must be absent or equal to n", "best_of")
-        max_tokens = self.max_tokens
-        if max_tokens == 0:
-            if not self.echo:
-                raise SamplingParamsError("max_tokens must be at least 1 (0 only with echo: the prompt alone)",
-                                          "max_tokens")
-            max_tokens = 1  # NOTE: one token is generated and dropped (as vLLM does); the prompt runs anyway
+        if self.max_tokens == 0 and not self.echo:
+            raise SamplingParamsError("max_tokens must be at least 1 (0 only with echo: the prompt alone)",
+                                      "max_tokens")
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
             prompt_logprobs = max(self.logprobs, prompt_logprobs or 0)
-        return self.to_sampling_params(defaults, max_tokens, self.logprobs, prompt_logprobs)
+        if self.prompt_only and prompt_logprobs is None:
+            prompt_logprobs = 0  # NOTE: an engine request with max_tokens 0 runs for its prompt logprobs
+        return self.to_sampling_params(defaults, self.max_tokens, self.logprobs, prompt_logprobs)
 
     @property
     def prompt_only(self) -> bool:
@@ -275,6 +270,8 @@ class ChatMessage(OpenAIModel):
 class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``."""
 
+    unsupported: ClassVar[tuple[str, ...]] = (*SamplingRequest.unsupported, "functions", "function_call",
+                                              "prediction", "audio")
     messages: list[ChatMessage] = checked(..., minItems=1)
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
@@ -289,20 +286,22 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
 
     def sampling_params(self, defaults: SamplingParams) -> SamplingParams:
-        """Raises: SamplingParamsError on unsupported fields or out-of-range values."""
-        self.refuse_unsupported(("functions", "function_call", "prediction", "audio"))
+        """``max_completion_tokens`` (OpenAI's newer name) wins over ``max_tokens``; errors name the one given.
+
+        Raises: SamplingParamsError on unsupported fields or out-of-range values."""
         if self.top_logprobs is not None and not self.logprobs:
             raise SamplingParamsError("top_logprobs requires logprobs to be true", "top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        if self.max_completion_tokens is None:
-            return self.to_sampling_params(defaults, self.max_tokens, logprobs)
+        name = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+        max_tokens = getattr(self, name)
         try:
-            return self.to_sampling_params(defaults, self.max_completion_tokens, logprobs)
+            if max_tokens == 0:  # NOTE: SamplingParams takes 0 with prompt_logprobs (the prompt alone); chat does not
+                raise SamplingParamsError("max_tokens must be at least 1, got 0", "max_tokens")
+            return self.to_sampling_params(defaults, max_tokens, logprobs)
         except SamplingParamsError as e:
-            if e.param != "max_tokens":
+            if e.param != "max_tokens" or name == "max_tokens":
                 raise
-            raise SamplingParamsError(str(e).replace("max_tokens", "max_completion_tokens"),
-                                      "max_completion_tokens") from None
+            raise SamplingParamsError(str(e).replace("max_tokens", name), name) from None
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template_message(i) for i, m in enumerate(self.messages)]
@@ -329,115 +328,3 @@ class TokenizeRequest(OpenAIModel):
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
     tokens: list[TokenId]
-
-
-# ---- responses ----
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0  # prompt tokens served by the prefix cache
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
-        """Usage with ``prompt_tokens_details.cached_tokens`` (prefix-cache hits, as OpenAI reports them)."""
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
-
-
-class CompletionLogprobs(BaseModel):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class PromptLogprobEntry(BaseModel):
-    """One candidate of vLLM's ``prompt_logprobs``: its logprob, vLLM rank and text."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-# vLLM's response shape: per prompt token (the first one null) its token and the top-N, by token id.
-PromptLogprobsJSON = list[dict[str, PromptLogprobEntry] | None]
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    prompt_logprobs: PromptLogprobsJSON | None = None  # vLLM's extra (request field prompt_logprobs)
-
-
-class ResponseBase(BaseModel):
-    """Fields every completion and chat completion response (and chunk) carries."""
-
-    id: str
-    created: int
-    model: str
-    system_fingerprint: str | None = None
-    usage: UsageInfo | None = None
-    kv_transfer_params: dict[str, Any] | None = None  # vLLM's field (disaggregated prefill)
-
-
-class CompletionResponse(ResponseBase):
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-
-
-class ChatTopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(ChatTopLogprob):
-    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-    refusal: list[ChatTokenLogprob] | None = None
-
-
-class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    refusal: str | None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(ResponseBase):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
-    prompt_logprobs: PromptLogprobsJSON | None = None  # vLLM's extra (request field prompt_logprobs)
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "tandem"
-    root: str | None = None
-    parent: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]

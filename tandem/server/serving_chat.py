@@ -19,13 +19,8 @@ from tandem.engine.processor import check_context
 from tandem.outputs import CompletionOutput
 from tandem.sampling_params import SamplingParams, SamplingParamsError
 from tandem.server.logprobs import chat_logprobs, prompt_logprobs_json
-from tandem.server.protocol import (
-    ChatChoice,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatResponseMessage,
-    UsageInfo,
-)
+from tandem.server.protocol import ChatCompletionRequest
+from tandem.server.protocol_responses import ChatChoice, ChatCompletionResponse, ChatResponseMessage, UsageInfo
 from tandem.server.serving_common import (
     DONE,
     ModelNames,

@@ -17,13 +17,9 @@ from tandem.engine.async_llm import AsyncLLM, EngineDeadError, EngineRequestErro
 from tandem.engine.processor import PromptError, check_context
 from tandem.outputs import CompletionOutput, PositionLogprobs, PromptLogprobs, RequestOutput
 from tandem.sampling_params import SamplingParams
-from tandem.server.logprobs import completion_logprobs, prompt_logprobs_json
-from tandem.server.protocol import (
-    CompletionChoice,
-    CompletionRequest,
-    CompletionResponse,
-    UsageInfo,
-)
+from tandem.server.logprobs import EchoOffsets, completion_logprobs, echo_offsets, prompt_logprobs_json
+from tandem.server.protocol import CompletionRequest
+from tandem.server.protocol_responses import CompletionChoice, CompletionResponse, UsageInfo
 from tandem.server.serving_common import (
     DONE,
     ModelNames,
@@ -36,6 +32,9 @@ from tandem.server.serving_common import (
     sse,
     stream_error,
 )
+
+Prompt = tuple[str | None, list[int]]  # (text, token ids)
+ChoiceParts = tuple[str, list[int], list[PositionLogprobs | None], EchoOffsets]
 
 
 class OpenAIServingCompletion:
@@ -59,13 +58,18 @@ class OpenAIServingCompletion:
             raise PromptError("the prompt is empty")
         return prompt
 
-    def _tokenize(self, prompts: list[Any], echo: bool) -> list[tuple[str | None, list[int]]]:
-        """(text, ids) of each prompt; with ``echo`` the text of a token-id prompt is decoded here too.
+    def _tokenize(self, prompts: list[Any], echo: bool, logprobs: bool) -> tuple[list[Prompt], list[EchoOffsets]]:
+        """(text, ids) of each prompt; with ``echo`` the text of a token-id prompt is decoded here too,
+        and with ``echo`` and ``logprobs`` a text prompt's token offsets are found (``echo_offsets``).
         Runs in the tokenizer thread. Raises: PromptError."""
         out = [self.engine.tokenize(p) for p in prompts]
+        offsets: list[EchoOffsets] = [None] * len(out)
         if echo:
+            if logprobs:
+                offsets = [None if isinstance(p, list) else echo_offsets(self.tokenizer, t, ids)
+                           for p, (t, ids) in zip(prompts, out, strict=True)]
             out = [(self.engine.decode(ids) if text is None else text, ids) for text, ids in out]
-        return out
+        return out, offsets
 
     async def create(self, request: CompletionRequest, arrival_time: float | None = None
                      ) -> JSONResponse | StreamingResponse:
@@ -85,55 +89,58 @@ class OpenAIServingCompletion:
         request_id = request_id_for("cmpl", request.request_id)
         kind = "delta" if request.stream else "cumulative"
         with self.engine.admitted(len(given) * params.n):
-            prompts = await self.engine.run_in_tokenizer(self._tokenize, given, request.echo)
+            prompts, offsets = await self.engine.run_in_tokenizer(self._tokenize, given, request.echo,
+                                                                  params.logprobs is not None)
             for _, ids in prompts:
                 check_context(self.engine.max_model_len, len(ids), params.max_tokens, "prompt")
             streams = await open_streams(self.engine, request_id, prompts, params, kind, arrival,
                                          request.request_id)
         created = int(time.time())
         if request.stream:
-            return event_stream(self._stream(request, request_id, created, model, streams, prompts, params))
+            return event_stream(self._stream(request, request_id, created, model, streams, prompts, offsets,
+                                             params))
         outs = await final_outputs(streams)
-        return JSONResponse(self._response(request, request_id, created, model, outs, prompts, params)
+        return JSONResponse(self._response(request, request_id, created, model, outs, prompts, offsets, params)
                             .model_dump())
 
     def _choice_parts(
-        self, request: CompletionRequest, prompt: tuple[str | None, list[int]],
+        self, request: CompletionRequest, prompt: Prompt, offsets: EchoOffsets,
         prompt_logprobs: PromptLogprobs | None, c: CompletionOutput, first: bool,
-    ) -> tuple[str, list[int], list[PositionLogprobs | None]]:
-        """Text, token ids and logprob positions of a choice's answer (or stream chunk). The first one
-        of a choice starts with the prompt under ``echo`` (its first token's position None, as OpenAI
-        shows it); with ``max_tokens`` 0 the prompt is all there is."""
+    ) -> ChoiceParts:
+        """Text, token ids, logprob positions and echoed-prompt offsets (``completion_logprobs``) of a
+        choice's answer (or stream chunk). The first one of a choice starts with the prompt under
+        ``echo`` (its first token's position None, as OpenAI shows it); with ``max_tokens`` 0 the
+        prompt is all there is."""
         text, ids, positions = c.text, c.token_ids, list(c.logprobs or [])
         if request.prompt_only:
             text, ids, positions = "", [], []
-        if request.echo and first:
-            text = (prompt[0] or "") + text
-            ids = prompt[1] + ids
-            positions = list(prompt_logprobs or [None] * len(prompt[1])) + positions
-        return text, ids, positions
+        if not (request.echo and first):
+            return text, ids, positions, None
+        positions = list(prompt_logprobs or [None] * len(prompt[1])) + positions
+        return (prompt[0] or "") + text, prompt[1] + ids, positions, offsets
 
     def _choice(
-        self, request: CompletionRequest, index: int, parts: tuple[str, list[int], list[PositionLogprobs | None]],
+        self, request: CompletionRequest, index: int, parts: ChoiceParts,
         c: CompletionOutput, params: SamplingParams, offset: int, prompt_logprobs: PromptLogprobs | None,
     ) -> tuple[CompletionChoice, int]:
         """One choice from its parts; ``offset``: its text's character offset. Returns it and the next offset."""
-        text, ids, positions = parts
+        text, ids, positions, echoed = parts
         logprobs = None
         if params.logprobs is not None:
-            logprobs, offset = completion_logprobs(self.tokenizer, ids, positions, params.logprobs, offset)
+            logprobs, offset = completion_logprobs(self.tokenizer, ids, positions, params.logprobs, offset, echoed)
         finish_reason = "length" if request.prompt_only and c.finish_reason is not None else c.finish_reason
+        shown = prompt_logprobs if request.prompt_logprobs is not None else None  # NOTE: vLLM's field, when asked
         return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason,
-                                prompt_logprobs=prompt_logprobs_json(prompt_logprobs)), offset
+                                prompt_logprobs=prompt_logprobs_json(shown)), offset
 
     def _response(
         self, request: CompletionRequest, request_id: str, created: int, model: str,
-        outs: list[RequestOutput], prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
+        outs: list[RequestOutput], prompts: list[Prompt], offsets: list[EchoOffsets], params: SamplingParams,
     ) -> CompletionResponse:
         choices, completion_tokens = [], 0
         for i, out in enumerate(outs):
             for c in sorted(out.outputs, key=lambda c: c.index):
-                parts = self._choice_parts(request, prompts[i], out.prompt_logprobs, c, True)
+                parts = self._choice_parts(request, prompts[i], offsets[i], out.prompt_logprobs, c, True)
                 choice, _ = self._choice(request, i * params.n + c.index, parts, c, params, 0, out.prompt_logprobs)
                 choices.append(choice)
                 completion_tokens += 0 if request.prompt_only else len(c.token_ids)
@@ -144,7 +151,7 @@ class OpenAIServingCompletion:
 
     async def _stream(
         self, request: CompletionRequest, request_id: str, created: int, model: str,
-        streams: list[RequestStream], prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
+        streams: list[RequestStream], prompts: list[Prompt], echo: list[EchoOffsets], params: SamplingParams,
     ) -> AsyncIterator[str]:
         exclude = None if request.include_usage else {"usage"}
         offsets: dict[int, int] = {}  # choice index -> characters sent (its first chunk has gone out)
@@ -166,7 +173,7 @@ class OpenAIServingCompletion:
                     # tokens, held-back stop-string prefixes), as vLLM does, so clients' ITL is comparable.
                     if not first and not c.token_ids and not c.text and c.finish_reason is None:
                         continue
-                    parts = self._choice_parts(request, prompts[i], prompt_logprobs.get(i), c, first)
+                    parts = self._choice_parts(request, prompts[i], echo[i], prompt_logprobs.get(i), c, first)
                     choice, offsets[index] = self._choice(request, index, parts, c, params, offsets.get(index, 0),
                                                           prompt_logprobs.get(i) if first else None)
                     if params.logprobs is None:

@@ -6,8 +6,13 @@ and ``--tool-call-parser`` (else 400, vLLM's message); the parser finds calls in
 "required" and a named function: the output is constrained by a grammar (structured output), so the
 arguments always parse against the tool's JSON schema: a named choice generates the arguments object
 itself (vLLM's named function calling), "required" a JSON array of ``{"name", "parameters"}`` items
-(at most one with ``parallel_tool_calls: false``). ``finish_reason`` is "tool_calls" when auto or
-required produced calls, "stop" for a named choice (as OpenAI and vLLM answer).
+(at most one with ``parallel_tool_calls: false``). Under "auto", ``parallel_tool_calls: false`` keeps
+the first call the parser found and drops the rest (vLLM's rule since its PR 26233; generation is not
+cut short), and a call to a function that is not in ``tools`` is returned as the model wrote it, as
+vLLM's parsers do: the client decides what an unknown name means. Every tool's ``parameters`` must be
+a valid JSON Schema (checked with ``jsonschema`` whatever the choice; a 400 names the tool).
+``finish_reason`` is "tool_calls" when auto or required produced calls, "stop" for a named choice
+(as OpenAI and vLLM answer).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from typing import Any
+
+import jsonschema
 
 from tandem.sampling_params import SamplingParamsError, StructuredOutputsParams
 from tandem.server.tool_parsers import TOOL_PARSERS, ToolCall, ToolParser, make_call
@@ -31,6 +38,7 @@ class ToolPlan:
     name: str | None = None
     constraint: StructuredOutputsParams | None = None
     parser: ToolParser | None = None
+    parallel: bool = True  # False: at most one call (``parallel_tool_calls: false``)
 
     @property
     def parses_calls(self) -> bool:
@@ -40,6 +48,20 @@ class ToolPlan:
 def _tool_schema(tool: dict[str, Any]) -> dict[str, Any]:
     params = tool["function"].get("parameters")
     return params if params else {"type": "object", "properties": {}}
+
+
+def check_tool_schemas(tools: list[dict[str, Any]]) -> None:
+    """Raises: SamplingParamsError if a tool's ``parameters`` is not a valid JSON Schema (checked
+    against the metaschema of its ``$schema``, draft 2020-12 by default); the message names the tool."""
+    for i, tool in enumerate(tools):
+        schema = tool["function"].get("parameters")
+        if schema is None:
+            continue
+        try:
+            jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+        except jsonschema.SchemaError as e:
+            raise SamplingParamsError(f"the parameters of tool {tool['function']['name']!r} are not a valid JSON "
+                                      f"Schema: {e.message}", f"tools.{i}.function.parameters") from None
 
 
 def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
@@ -75,20 +97,21 @@ class ToolCalling:
 
         Raises:
             SamplingParamsError: a ``tool_choice`` without tools, an unknown choice or function name,
-                "auto" without the server flags, or a tool schema the grammar engine cannot honour
-                (param ``tool_choice`` or ``tools``).
+                "auto" without the server flags, a tool's ``parameters`` that is not a JSON Schema, or
+                one the grammar engine cannot honour (param ``tool_choice`` or ``tools...``).
         """
         if not tools:
             if tool_choice not in (None, "none"):
                 raise SamplingParamsError("When using `tool_choice`, `tools` must be set.", "tool_choice")
             return ToolPlan()
+        check_tool_schemas(tools)
         choice = "auto" if tool_choice is None else tool_choice
         if choice == "none":
             return ToolPlan()
         if choice == "auto":
             if not self.enable_auto_tool_choice:
                 raise SamplingParamsError(AUTO_NEEDS_FLAGS, "tool_choice")
-            return ToolPlan("auto", parser=self._parser)
+            return ToolPlan("auto", parser=self._parser, parallel=parallel is not False)
         if choice == "required":
             constraint = StructuredOutputsParams(json=required_schema(tools, parallel is not False))
             check_grammar(constraint, None, "tools")
@@ -125,7 +148,8 @@ def extract_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]
     except (ValueError, TypeError, KeyError):
         return text, []
     assert plan.parser is not None
-    return plan.parser.parse(text)
+    content, calls = plan.parser.parse(text)
+    return content, calls if plan.parallel else calls[:1]
 
 
 def finish_reason(plan: ToolPlan, calls: list[Any], reason: str | None) -> str | None:

@@ -35,7 +35,7 @@ _COMMON = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_
                bos_token_id=1, eos_token_id=2, pad_token_id=0, sliding_window=WINDOW)
 # gemma2: layers sliding / full / sliding, both soft-caps, query_pre_attn_scalar != head_dim.
 # gemma3: q/k norms, local rope 10k on the sliding layers, global rope 1e6 with linear scaling x4.
-# mistral: MistralForCausalLM's window in every layer.
+# mistral_window: MistralForCausalLM's window in every layer; qwen2_window: use_sliding_window from layer 1 on.
 MODELS = ("gemma2", "gemma3", "mistral_window")
 
 
@@ -52,6 +52,9 @@ def _config(name: str):
                                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                                                     "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                                        "rope_theta": 1e6}})
+    if name == "qwen2_window":
+        return tf.Qwen2Config(**_COMMON, num_hidden_layers=3, use_sliding_window=True, max_window_layers=1,
+                              tie_word_embeddings=False)
     return tf.MistralConfig(**_COMMON, num_hidden_layers=2, tie_word_embeddings=False)
 
 
@@ -63,7 +66,7 @@ def build_checkpoint(name: str, out_dir: Path) -> Path:
     model = AutoModelForCausalLM.from_config(_config(name), dtype=torch.float32)
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):  # Gemma scales by 1 + weight, Mistral by weight
+            if pname.endswith("norm.weight"):  # Gemma scales by 1 + weight, the others by weight
                 p.copy_((0.0 if name.startswith("gemma") else 1.0) + 0.2 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.15)
@@ -174,7 +177,7 @@ def test_engine_prefix_cache_hit_and_speculation(pair) -> None:
     assert core.scheduler.kv_cache_usage == 0.0
 
 
-@pytest.mark.parametrize("name", ["gemma2", "mistral_window"])
+@pytest.mark.parametrize("name", ["mistral_window"])  # NOTE: Gemma's windowed kernel rows: tests/unit
 def test_bf16_greedy_does_not_depend_on_the_batch(name, checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 (the kernels' dtype): a request's greedy tokens alone == inside a staggered batch of 8, while
     its context crosses the window (Mistral: the fused C++ layer serves steps whose contexts fit in the
@@ -198,5 +201,20 @@ def test_bf16_greedy_does_not_depend_on_the_batch(name, checkpoint, monkeypatch:
     assert run_greedy(runner, prompts, 24, chunk=3, stagger=1) == alone, name
     if name == "mistral_window" and llama.registry.use("decoder_layer", tokens=1):
         assert fused_contexts and max(fused_contexts) <= WINDOW
-    if name == "gemma2":
-        assert not fused_contexts
+
+
+def test_qwen2_sliding_layers_match_transformers(checkpoint) -> None:
+    """Qwen2 with ``use_sliding_window``: layers from ``max_window_layers`` on slide (full attention in layer 0)."""
+    from transformers import AutoModelForCausalLM
+
+    from tandem.models.hf_config import load_hf_config
+
+    model_dir = checkpoint("qwen2_window")
+    assert load_hf_config(model_dir).layer_windows == (None, WINDOW, WINDOW)
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = _prompt(45, seed=1)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([prompt])).logits[0].float()
+    runner = make_runner(model_dir, num_blocks=64)
+    assert rel_err(runner.prompt_logits(prompt), ref) < REL_TOL
+    assert rel_err(runner.prompt_logits(prompt, chunk_size=4), ref) < REL_TOL

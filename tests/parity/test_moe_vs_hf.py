@@ -72,18 +72,25 @@ def test_engine_with_prefix_cache_hit(moe_pair) -> None:
     assert core.scheduler.kv_cache_usage == 0.0
 
 
-@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral"])
-def test_bf16_greedy_does_not_depend_on_the_batch(name, tiny_checkpoint_factory) -> None:
-    """bf16 (the kernels' dtype): a request's greedy tokens alone == inside a staggered batch of 8."""
+@pytest.mark.parametrize(("name", "quantization"), [("qwen2_moe", None), ("mixtral", None), ("qwen3_moe", "int4"),
+                                                    ("mixtral", "int8")])
+def test_bf16_greedy_does_not_depend_on_the_batch(name, quantization, tiny_checkpoint_factory) -> None:
+    """bf16 (the kernels' dtype): a request's greedy tokens alone == inside a staggered batch of 8; with
+    ``quantization`` the experts are int8 / int4 codes (``QuantizedExperts``, kernels.moe_int8 / moe_int4)."""
     from tandem.config import CacheConfig, EngineConfig, ModelConfig
+    from tandem.models.moe_quant import QuantizedExperts
     from tandem.worker.model_runner import ModelRunner
 
     model_dir = tiny_checkpoint_factory(name)
-    config = EngineConfig(model=ModelConfig(model=str(model_dir), dtype="bfloat16"),
+    config = EngineConfig(model=ModelConfig(model=str(model_dir), dtype="bfloat16", quantization=quantization),
                           cache=CacheConfig(block_size=4, num_blocks=160), num_threads=1)
     runner = ModelRunner(model_dir, config, progress=False)
     runner.initialize_kv_cache(160)
+    experts = [m for m in runner.model.modules() if isinstance(m, QuantizedExperts)]
+    # qwen3_moe's H = 64 and I = 32 take int4; Mixtral's I = 48 is not a multiple of 32: int8
+    assert [m.method for m in experts] == ([quantization] * 2 if quantization else []), name
     prompts = [_prompt(3 + 2 * i, seed=10 + i) for i in range(8)]
-    alone = [run_greedy(runner, [p], 24)[0] for p in prompts]
+    num_new = 24 if quantization is None else 12
+    alone = [run_greedy(runner, [p], num_new)[0] for p in prompts]
     assert len(set(map(tuple, alone))) == 8
-    assert run_greedy(runner, prompts, 24, chunk=3, stagger=1) == alone, name
+    assert run_greedy(runner, prompts, num_new, chunk=3, stagger=1) == alone, name

@@ -131,3 +131,25 @@ def test_phi3_config_errors(tmp_path, tiny_checkpoint_factory) -> None:
     (model_dir / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="partial_rotary_factor 0.75 is not supported"):
         load_hf_config(model_dir)
+
+
+def test_sliding_window_shorter_than_the_prompt(tmp_path, tiny_checkpoint_factory) -> None:
+    """Phi-3's ``sliding_window`` (every layer) over the paged cache, with longrope, against transformers."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tmp_path / "phi3-window"
+    shutil.copytree(tiny_checkpoint_factory("phi3_longrope"), model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**cfg, "sliding_window": 8}))
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    runner = make_runner(model_dir, num_blocks=64)
+    for length in (45, 20):
+        prompt = _prompt(length, seed=length + 1)
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([prompt])).logits[0].float()
+        assert rel_err(runner.prompt_logits(prompt, chunk_size=3), ref) < REL_TOL, length
+    prompt = _prompt(12, seed=3)  # crosses O = 32 while generating: compared with the stepwise forward
+    assert run_greedy(runner, [prompt], 24) == [hf_stepwise_greedy(hf_model, prompt, 24)]

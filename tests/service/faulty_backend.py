@@ -66,6 +66,13 @@ class FaultyBackend:
         async def models() -> JSONResponse:
             return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
+        @app.get("/v1/models/{model_id}")
+        async def model(model_id: str) -> JSONResponse:
+            if model_id != self.model:
+                return JSONResponse({"error": {"message": f"no model {model_id}", "type": "invalid_request_error",
+                                               "param": None, "code": "model_not_found"}}, status_code=404)
+            return JSONResponse({"id": self.model, "object": "model"})
+
         return app
 
     def release_shadows(self) -> None:

@@ -79,6 +79,7 @@ def test_answers_carry_the_client_model_name(backends):
         assert status["totals"]["completion_tokens"] == 6 and status["totals"]["prompt_tokens"] == 4
         # the model list (from the primary) names the client's model, not the primary's own name
         assert [m.id for m in client.models.list()] == ["stories"]
+        assert client.models.retrieve("stories").id == "stories"
 
 
 def test_gateway_errors_name_the_backend(backends):

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 import torch
-from live_server import AUTH, MODEL, sse_data
+from live_server import AUTH, MODEL, ROOT, sse_data
 
 PROMPT = "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun."
 
@@ -131,3 +131,54 @@ def test_cached_tokens_count_a_repeated_prompt(server):
     post(server, "/v1/chat/completions", chat_body)
     chat = post(server, "/v1/chat/completions", chat_body).json()["usage"]
     assert chat["prompt_tokens_details"]["cached_tokens"] == (chat["prompt_tokens"] - 1) // 16 * 16
+
+
+def test_echo_max_tokens_0_takes_a_prompt_that_fills_the_context(server, reference):
+    ids, _ = reference
+    full = (ids * 20)[:512]  # stories260K's max_model_len: no room for a token, none is needed
+    r = post(server, "/v1/completions", {"prompt": [full], "max_tokens": 0, "echo": True, "logprobs": 1})
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    assert len(choice["logprobs"]["token_logprobs"]) == 512 and choice["finish_reason"] == "length"
+    assert r.json()["usage"]["completion_tokens"] == 0
+    assert choice["prompt_logprobs"] is None  # vLLM's field only when asked for
+    r = post(server, "/v1/completions", {"prompt": [full + [5]], "max_tokens": 0, "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_text_offset_of_an_echoed_text_prompt_indexes_the_text(server):
+    for stream in (False, True):
+        r = post(server, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 3, "echo": True,
+                                             "logprobs": 0, "temperature": 0, "stream": stream})
+        if stream:
+            chunks = [json.loads(d)["choices"][0] for d in sse_data(r) if d != "[DONE]"]
+        else:
+            chunks = r.json()["choices"]
+        text = "".join(c["text"] for c in chunks)
+        offsets = [o for c in chunks for o in c["logprobs"]["text_offset"]]
+        tokens = [t for c in chunks for t in c["logprobs"]["tokens"]]
+        assert offsets[:5] == [0, 0, 4, 9, 11], offsets  # "<s>" is zero-length; " upon" starts at its space
+        assert offsets == sorted(offsets) and offsets[-1] < len(text)
+        assert all(text[o:].startswith(t) for o, t in zip(offsets[2:], tokens[2:], strict=True)), (text, tokens)
+
+
+def test_lm_eval_local_task_loglikelihoods_equal_transformers(server, stories_dir):
+    """benchmarks/lm_eval_local's 20 items (60 choices) in one request of lm-eval's shape: every
+    continuation's log-likelihood and greediness as transformers computes them, so lm-eval's accuracy
+    through Tandem is transformers' (run.py checks the real lm-eval run the same way)."""
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.spec_from_file_location("lm_eval_score", ROOT / "benchmarks/lm_eval_local/score.py")
+    score = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(score)
+    items = score.load_items()
+    tokenizer = AutoTokenizer.from_pretrained(str(stories_dir))
+    encoded = [score.encode_pair(tokenizer, c, k) for c, k in score.requests_of(items)]
+    got = score.tandem_loglikelihoods(server.url, MODEL, encoded, AUTH)
+    ref = score.reference_loglikelihoods(stories_dir, encoded)
+    assert len(got) == len(ref) == 60
+    for (ll, greedy), (ref_ll, ref_greedy) in zip(got, ref, strict=True):
+        assert abs(ll - ref_ll) < 1e-3 and greedy == ref_greedy
+    assert score.accuracies(items, [ll for ll, _ in got]) == score.accuracies(items, [ll for ll, _ in ref])

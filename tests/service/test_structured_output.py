@@ -149,6 +149,10 @@ def test_stream_of_a_constrained_completion_joins_to_valid_json(client):
      "structured_outputs needs exactly one of json, regex, choice, grammar, json_object; got regex, choice"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs",
      "give response_format or structured_outputs, not both"),
+    ({"structured_outputs": {"regex": "[^\\s\\S]"}}, "structured_outputs",
+     "the regex '[^\\\\s\\\\S]' cannot be enforced: it matches no text"),
+    ({"structured_outputs": {"regexx": "a"}}, "structured_outputs", "structured_outputs has no field 'regexx'; its "
+     "fields are json, regex, choice, grammar, json_object, disable_any_whitespace"),
 ])
 def test_constraints_the_engine_cannot_honour_are_400(client, body, param, message):
     _, server = client

@@ -129,3 +129,8 @@ def test_auto_without_a_call_is_text_and_bad_tool_requests_are_400(tool_server):
     with pytest.raises(openai.BadRequestError) as info:
         tool_server.chat.completions.create(model="m", messages=ASK, tool_choice="required", max_tokens=8)
     assert info.value.body["message"] == "When using `tool_choice`, `tools` must be set."
+    bad = [*TOOLS, {"type": "function", "function": {"name": "broken", "parameters": {"type": "objectx"}}}]
+    with pytest.raises(openai.BadRequestError) as info:  # under "auto" too, not only required / named
+        tool_server.chat.completions.create(model="m", messages=ASK, tools=bad, max_tokens=8)
+    assert info.value.body["param"] == "tools.2.function.parameters"
+    assert info.value.body["message"].startswith("the parameters of tool 'broken' are not a valid JSON Schema")

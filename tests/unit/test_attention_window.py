@@ -123,3 +123,58 @@ def test_kernel_window_is_batch_invariant(dtype: torch.dtype) -> None:
         assert torch.equal(_row(full, 16, pos, pos + 1, 21)[0], prefill[pos]), pos
         first = max(pos - 3, 0)
         assert torch.equal(_row(full, 16, first, min(first + 5, 120), 21)[pos - first], prefill[pos]), pos
+
+
+@pytest.mark.parametrize("route", ["torch_ref", "kernel", "cpu_paged_torch"])
+def test_blocks_before_the_window_are_not_read(route: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cache blocks wholly before every query's window are NaN: the outputs stay finite and exact (so
+    such blocks could be freed or reused)."""
+    if route != "torch_ref" and not kernels.available("paged_attention"):
+        pytest.skip(f"no paged_attention kernel: {kernels.unavailable_reason('paged_attention')}")
+    if route == "kernel" and not kernels.supports_window_softcap():
+        pytest.skip(f"the {kernels.backend()} kernels have no sliding window")
+    monkeypatch.setattr(kernels, "supports_window_softcap", lambda: route == "kernel")
+    window = 5
+    q, k, v, (kc, vc), meta = _step(torch.float32, seed=3)
+    write_kv_cache(k, v, kc, vc, meta.slot_mapping)  # as the backend will (again)
+    expected = dense_window(q, k, v, meta, kc, vc, 0.3, window, 0.0)
+    block = kc.shape[1]
+    poisoned = 0
+    for r, computed in enumerate(meta.num_computed.tolist()):
+        first_key = max(0, computed - window + 1)
+        for b in meta.block_tables[r, : first_key // block].tolist():
+            kc[b], vc[b] = float("nan"), float("nan")
+            poisoned += 1
+    assert poisoned >= 5  # the 37- and 9-token rows' early blocks
+    backend = TorchRefAttention() if route == "torch_ref" else CpuPagedAttention(max_query_len=2)
+    out = backend(q, k, v, kc, vc, meta, 0.3, window)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel_has_window", [True, False])
+def test_cpu_paged_row_route_does_not_depend_on_the_batch(kernel_has_window: bool,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 1-query row whose context fits in the window has the same bits alone and beside a row that
+    exceeds it (which turns the window on for the step), on both routes (and without the windowed
+    kernel, the short row stays on the plain kernel)."""
+    if not kernels.available("paged_attention"):
+        pytest.skip(f"no paged_attention kernel: {kernels.unavailable_reason('paged_attention')}")
+    if kernel_has_window and not kernels.supports_window_softcap():
+        pytest.skip(f"the {kernels.backend()} kernels have no sliding window")
+    monkeypatch.setattr(kernels, "supports_window_softcap", lambda: kernel_has_window)
+    g = gen(11)
+    # float32: no output rounding hides a different route
+    full = [tuple(torch.randn(n, h, 16, generator=g) for h in (4, 2, 2)) for n in (6, 30)]
+
+    def step(rows: list[int]) -> torch.Tensor:
+        caches = tuple(torch.zeros(16, 4, 2, 16) for _ in range(2))
+        tables = [[0, 1], [2, 3, 4, 5, 6, 7, 8, 9]]
+        lens = [full[r][0].shape[0] for r in rows]
+        write = AttentionMetadata.build([0] * len(rows), [n - 1 for n in lens], [tables[r] for r in rows], 4)
+        write_kv_cache(torch.cat([full[r][1][:-1] for r in rows]), torch.cat([full[r][2][:-1] for r in rows]),
+                       *caches, write.slot_mapping)
+        meta = AttentionMetadata.build([n - 1 for n in lens], [1] * len(rows), [tables[r] for r in rows], 4)
+        q, k, v = (torch.cat([full[r][i][-1:] for r in rows]) for i in range(3))
+        return CpuPagedAttention(max_query_len=2)(q, k, v, *caches, meta, 0.25, 8)
+
+    assert torch.equal(step([0]), step([0, 1])[:1])

@@ -128,3 +128,27 @@ def test_cli_flags_override_the_yaml_file(tmp_path):
     bad = build_parser().parse_args(["gateway", "--primary", "http://a", "--candidate-model-map", "oops"])
     with pytest.raises(ValueError, match="CLIENT_NAME=BACKEND_NAME"):
         gateway_config_from_args(bad)
+
+
+def test_every_gate_shadow_and_fallback_setting_has_a_flag(tmp_path):
+    import dataclasses
+
+    from tandem.cli import build_parser
+    from tandem.gateway.cli import SECTION_FLAGS, gateway_config_from_args
+    from tandem.gateway.config import FallbackConfig, ShadowConfig
+
+    flagged = {(section, name) for _, section, name, _, _ in SECTION_FLAGS}
+    for section, cls, by_hand in (("gates", GateConfig, {"enabled"}), ("shadow", ShadowConfig, {"fraction",
+                                  "keep_samples"}), ("fallback", FallbackConfig, set())):
+        assert {f.name for f in dataclasses.fields(cls)} - by_hand == {n for s, n in flagged if s == section}
+    path = tmp_path / "gateway.yaml"
+    path.write_text("primary: 'http://a:1'\ncandidate: 'http://b:2'\nshadow: {max_concurrency: 2, timeout_s: 9}\n"
+                    "fallback: {breaker_failures: 3, retry_ratio: 0.2}\n")
+    args = build_parser().parse_args(["gateway", "--config", str(path), "--shadow-max-concurrency", "8",
+                                      "--first-byte-timeout", "2.5", "--breaker-cooldown", "4",
+                                      "--gate-min-comparisons", "20", "--shadow-fraction", "0.5"])
+    cfg = gateway_config_from_args(args)
+    assert (cfg.shadow.max_concurrency, cfg.shadow.timeout_s, cfg.shadow.fraction) == (8, 9, 0.5)
+    assert (cfg.fallback.first_byte_timeout_s, cfg.fallback.breaker_cooldown_s, cfg.fallback.breaker_failures,
+            cfg.fallback.retry_ratio) == (2.5, 4, 3, 0.2)
+    assert cfg.gates.min_comparisons == 20

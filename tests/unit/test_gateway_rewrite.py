@@ -69,7 +69,10 @@ def test_json_answer_model_mapped_back_text_untouched():
     # a model list names the client's models; an unmapped one and other keys stay
     backend = BackendConfig("c", "http://b:1", None, {"stories": "s-next", "alias": "s-next", "caf\u00e9": "b\u00e9"})
     listing = '{"data":[{"id":"s-next","root":"s-next"},{"id":"b\u00e9"},{"id":"other"}]}'.encode()
-    assert AnswerFilter(listing_rewrite(backend, b"")).json_body(listing) == \
+    assert listing_rewrite(backend, b"", "models/stories") == ("models/s-next", Rewrite(b"", (("id", "s-next",
+                                                                                                "stories"),)))
+    assert listing_rewrite(backend, b"", "models/other")[0] == "models/other"
+    assert AnswerFilter(listing_rewrite(backend, b"")[1]).json_body(listing) == \
         '{"data":[{"id":"stories","root":"s-next"},{"id":"caf\u00e9"},{"id":"other"}]}'.encode()
 
 

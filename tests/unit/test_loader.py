@@ -205,7 +205,9 @@ def test_config_gemma_layer_patterns_ropes_and_caps_in_the_older_layout(tmp_path
     assert (gemma3.rope.rope_type, gemma3.rope.theta, gemma3.rope.factor) == ("linear", 1e6, 8.0)
     assert (gemma3.rope_local.rope_type, gemma3.rope_local.theta) == ("default", 1e4)
     assert gemma3.attn_logit_softcapping is None  # transformers' Gemma3 attention does not apply it
-    with pytest.raises(CheckpointError, match="hidden_act 'relu' is not supported"):
+    with pytest.raises(CheckpointError, match="hidden_act 'relu' is not supported for this architecture"):
         load_hf_config(write_config(tmp_path, hidden_act="relu"))
+    with pytest.raises(CheckpointError, match="hidden_act 'gelu_pytorch_tanh' is not supported.*only 'silu'"):
+        load_hf_config(write_config(tmp_path, hidden_act="gelu_pytorch_tanh"))  # a Llama with Gemma's MLP
     with pytest.raises(CheckpointError, match="use_bidirectional_attention is not supported"):
         load_hf_config(write_config(tmp_path, architectures=["Gemma3ForCausalLM"], use_bidirectional_attention=True))

@@ -19,6 +19,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]");
   m.def("moe_bf16", &moe_bf16, "fused mixture-of-experts SwiGLU feed-forward, bf16 experts [E, 2I, H] / [E, H, I]",
         py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("weights"), py::arg("ids"));
+  m.def("moe_int8", &moe_int8, "fused MoE, int8 per-channel experts (codes [E, N, K], fp32 scales [E, N])",
+        py::arg("x"), py::arg("w13_q"), py::arg("w13_s"), py::arg("w2_q"), py::arg("w2_s"), py::arg("weights"),
+        py::arg("ids"));
+  m.def("moe_q8_0", &moe_q8_0, "fused MoE, GGUF Q8_0 experts (codes [E, N, K], fp16 scales [E, N, K / 32])",
+        py::arg("x"), py::arg("w13_q"), py::arg("w13_s"), py::arg("w2_q"), py::arg("w2_s"), py::arg("weights"),
+        py::arg("ids"));
+  m.def("moe_int4", &moe_int4, "fused MoE, Q4_0 experts (codes [E, N, K / 2], fp16 scales [E, N, K / 32])",
+        py::arg("x"), py::arg("w13_q"), py::arg("w13_s"), py::arg("w2_q"), py::arg("w2_s"), py::arg("weights"),
+        py::arg("ids"));
   m.def("decoder_layer", &decoder_layer, "a whole pre-norm decoder layer (bf16 or quantized linears) at decode sizes");
   // Linear kernels (linear_bf16.cpp, linear_quant.cpp): any M, batch invariant; quantized formats
   // quantize the activations to int8 per block of 32 (llama.cpp's AVX2 path).

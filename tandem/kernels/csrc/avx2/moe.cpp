@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "moe_common.h"
 #include "ops.h"
 #include "parallel.h"
 #include "vec.h"
@@ -27,6 +28,7 @@ namespace {
 using tandem::avx2::bf16x8_to_ps;
 using tandem::avx2::hsum8;
 using tandem::avx2::parallel_for;
+using tandem::avx2::moe::silu;
 using bf16 = c10::BFloat16;
 
 constexpr int64_t kRowBlock = 16;  // weight rows per work item
@@ -72,8 +74,6 @@ inline void dot_group(const bf16* w, const float* base, int64_t stride, const in
   }
 }
 
-inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
-
 void check(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& weights,
            const at::Tensor& ids) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "moe_bf16: x must be [T, H] bf16");
@@ -94,27 +94,16 @@ void check(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, con
 
 at::Tensor moe_bf16(at::Tensor x, at::Tensor w13, at::Tensor w2, at::Tensor weights, at::Tensor ids) {
   check(x, w13, w2, weights, ids);
-  const int64_t T = x.size(0), H = x.size(1), E = w13.size(0), I = w13.size(1) / 2, K = ids.size(1);
+  const int64_t T = x.size(0), H = x.size(1), E = w13.size(0), I = w13.size(1) / 2;
   auto out = at::empty({T, H}, x.options());
   if (T == 0) return out;
   const auto ids_c = ids.contiguous();
   const auto wts = weights.contiguous();
-  const int64_t* id = ids_c.data_ptr<int64_t>();
-  const int64_t A = T * K;
-  for (int64_t a = 0; a < A; ++a) TORCH_CHECK(id[a] >= 0 && id[a] < E, "moe_bf16: expert id ", id[a], " out of range");
-
-  // Counting sort of assignments by expert: order[start[e] .. start[e + 1]) are expert e's, ascending.
-  std::vector<int64_t> start(E + 1, 0), order(A), tok(A);
-  for (int64_t a = 0; a < A; ++a) ++start[id[a] + 1];
-  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
-  {
-    std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    for (int64_t a = 0; a < A; ++a) order[fill[id[a]]++] = a;
-  }
-  for (int64_t a = 0; a < A; ++a) tok[a] = order[a] / K;
-  std::vector<int64_t> active;
-  for (int64_t e = 0; e < E; ++e)
-    if (start[e + 1] > start[e]) active.push_back(e);
+  const tandem::avx2::moe::Routing routing = tandem::avx2::moe::group_by_expert(ids_c, E, "moe_bf16");
+  const int64_t A = routing.A;
+  const std::vector<int64_t>& start = routing.start;
+  const std::vector<int64_t>& tok = routing.tok;
+  const std::vector<int64_t>& active = routing.active;
 
   // fp32 copies: tokens (widened once), activations of each sorted assignment, expert outputs.
   auto xf = x.to(at::kFloat).contiguous();
@@ -163,23 +152,7 @@ at::Tensor moe_bf16(at::Tensor x, at::Tensor w13, at::Tensor w2, at::Tensor weig
   });
 
   // Pass 3: out[t] = sum over slots j in top-k order of weights[t, j] * y[slot (t, j)].
-  std::vector<int64_t> sorted_pos(A);
-  for (int64_t s = 0; s < A; ++s) sorted_pos[order[s]] = s;
-  const float* wp = wts.data_ptr<float>();
-  bf16* op = reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>());
-  parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(H);
-    for (int64_t t = begin; t < end; ++t) {
-      for (int64_t j = 0; j < K; ++j) {
-        const float w = wp[t * K + j];
-        const float* row = yp + sorted_pos[t * K + j] * H;
-        if (j == 0)
-          for (int64_t h = 0; h < H; ++h) acc[h] = w * row[h];
-        else
-          for (int64_t h = 0; h < H; ++h) acc[h] += w * row[h];
-      }
-      for (int64_t h = 0; h < H; ++h) op[t * H + h] = static_cast<bf16>(acc[h]);
-    }
-  });
+  tandem::avx2::moe::combine(routing, yp, wts.data_ptr<float>(), H,
+                             reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>()));
   return out;
 }

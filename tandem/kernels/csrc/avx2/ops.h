@@ -41,6 +41,13 @@ at::Tensor linear_q6_k(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::
 
 // moe.cpp
 at::Tensor moe_bf16(at::Tensor x, at::Tensor w13, at::Tensor w2, at::Tensor weights, at::Tensor ids);
+// moe_quant.cpp: int8 (per-channel) / int4 (Q4_0) experts, codes [E, N, K] / [E, N, K / 2]
+at::Tensor moe_int8(at::Tensor x, at::Tensor w13_q, at::Tensor w13_s, at::Tensor w2_q, at::Tensor w2_s,
+                    at::Tensor weights, at::Tensor ids);
+at::Tensor moe_int4(at::Tensor x, at::Tensor w13_q, at::Tensor w13_s, at::Tensor w2_q, at::Tensor w2_s,
+                    at::Tensor weights, at::Tensor ids);
+at::Tensor moe_q8_0(at::Tensor x, at::Tensor w13_q, at::Tensor w13_s, at::Tensor w2_q, at::Tensor w2_s,
+                    at::Tensor weights, at::Tensor ids);
 
 // ../decoder_layer.cpp (ISA-independent: calls the functions above)
 std::tuple<at::Tensor, at::Tensor> decoder_layer(

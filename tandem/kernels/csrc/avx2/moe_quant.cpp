@@ -1,0 +1,173 @@
+// Fused mixture-of-experts feed-forward for weight-only int8 / int4 / q8_0 experts (AVX2 + FMA + F16C):
+// semantics in tandem/kernels/__init__.py (moe_int8, moe_int4, moe_q8_0) and tandem/models/moe_quant.py.
+// int4 is llama.cpp's Q4_0 and q8_0 its Q8_0 (group-32 int8, fp16 scales), so a GGUF's experts run as stored.
+//
+// The bf16 kernel's plan (moe.cpp) with the quantized linears' arithmetic (linear_quant.cpp, quant_tile.h):
+// assignments grouped by expert (moe_common.h), then
+//   1. the routed tokens' rows in sorted order, quantized to int8 per block of 32 (llama.cpp's q8_0
+//      activations); for each selected expert and tile of 4 gate/up rows, the tile's codes are read once
+//      for all the expert's assignments: gu[s] fp32 (int8: times the row's scale);
+//   2. act[s] = bf16(silu(gate) * up), quantized the same way; for each selected expert and tile of 4
+//      hidden rows: y[s] = act[s] . w2 rows (fp32);
+//   3. out[t] = bf16(sum_j weights[t, j] * y[t, j]), j in top-k order.
+// Each of the five steps is one parallel loop of one OpenMP team; experts no token selected are never read.
+// BATCH INVARIANCE: a (assignment, row) value is one quant_tile.h tile computation, whose bits do not depend
+// on the tile it falls in, and a token's activations are quantized alone, so a token's output does not
+// depend on the rest of the batch or the grouping.
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "gemm.h"
+#include "moe_common.h"
+#include "ops.h"
+#include "quant_blocks.h"
+#include "quant_tile.h"
+
+namespace {
+
+using namespace tandem::avx2::quant;
+using tandem::avx2::QuantizedActivations;
+using tandem::avx2::moe::Routing;
+
+constexpr int kRB = 4;  // weight rows per tile (as linear_quant.cpp)
+constexpr int kMB = 2;  // assignments per tile
+
+// y[s, n] fp32 = acc * scale[n] (scale: an int8 expert's row scales, or none), rows of ld floats.
+struct RowsOut {
+  float* y;
+  int64_t ld;
+  const float* scale;
+
+  __attribute__((noinline)) void store(const float* acc, int64_t rows, int64_t tokens, int64_t m0,
+                                       int64_t row0) const {
+    for (int64_t m = 0; m < tokens; ++m)
+      for (int64_t r = 0; r < rows; ++r) {
+        __m128 v = _mm_set_ss(acc[m * rows + r]);
+        if (scale != nullptr) v = _mm_mul_ss(v, _mm_set_ss(scale[row0 + r]));
+        y[(m0 + m) * ld + row0 + r] = _mm_cvtss_f32(v);
+      }
+  }
+};
+
+// One [E, N, K] expert stack: codes and (int4) fp16 group scales or (int8) fp32 row scales.
+struct Experts {
+  Kind kind;
+  const uint8_t* q;
+  const void* scale;
+  int64_t N, K;
+
+  Weights of(int64_t e) const {
+    if (kind == Kind::kInt8)
+      return {kind, q + e * N * K, nullptr, K, (K + 31) / 32, K, 0};
+    const c10::Half* s = static_cast<const c10::Half*>(scale) + e * N * (K / 32);
+    const int64_t ldq = kind == Kind::kQ8_0 ? K : K / 2;  // q8_0: int8 codes; int4: nibbles
+    return {kind, q + e * N * ldq, s, K, K / 32, ldq, K / 32};
+  }
+  const float* row_scale(int64_t e) const {
+    return kind == Kind::kInt8 ? static_cast<const float*>(scale) + e * N : nullptr;
+  }
+};
+
+Experts experts(const at::Tensor& q, const at::Tensor& s, Kind kind, const char* name) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && s.is_contiguous(), name, ": codes and scales must be contiguous");
+  const int64_t E = q.size(0), N = q.size(1);
+  if (kind == Kind::kInt8) {
+    TORCH_CHECK(q.scalar_type() == at::kChar && s.scalar_type() == at::kFloat && s.dim() == 2 && s.size(0) == E &&
+                    s.size(1) == N,
+                name, ": int8 experts need int8 codes [E, N, K] and fp32 scales [E, N]");
+    return {kind, reinterpret_cast<const uint8_t*>(q.data_ptr<int8_t>()), s.data_ptr<float>(), N, q.size(2)};
+  }
+  if (kind == Kind::kQ8_0) {
+    const int64_t K = q.size(2);
+    TORCH_CHECK(q.scalar_type() == at::kChar && s.scalar_type() == at::kHalf && s.dim() == 3 && s.size(0) == E &&
+                    s.size(1) == N && K % 32 == 0 && s.size(2) == K / 32,
+                name, ": q8_0 experts need int8 codes [E, N, K] and fp16 scales [E, N, K / 32], K % 32 == 0");
+    return {kind, reinterpret_cast<const uint8_t*>(q.data_ptr<int8_t>()), s.data_ptr<at::Half>(), N, K};
+  }
+  const int64_t K = 2 * q.size(2);
+  TORCH_CHECK(q.scalar_type() == at::kByte && s.scalar_type() == at::kHalf && s.dim() == 3 && s.size(0) == E &&
+                  s.size(1) == N && K % 32 == 0 && s.size(2) == K / 32,
+              name, ": int4 experts need uint8 codes [E, N, K / 2] and fp16 scales [E, N, K / 32], K % 32 == 0");
+  return {kind, q.data_ptr<uint8_t>(), s.data_ptr<at::Half>(), N, K};
+}
+
+// out[s, 0:N] for every sorted assignment s of every active expert: rows (s) of `a` times expert rows.
+template <Kind F>
+void expert_pass(const Experts& ex, const Routing& r, const QuantizedActivations& a, float* out) {
+  const PairCodes xp = F == Kind::kQ4_0 ? pair_codes(a, r.A) : PairCodes{};
+  const int64_t tiles = (ex.N + kRB - 1) / kRB, n_active = static_cast<int64_t>(r.active.size());
+  tandem::avx2::parallel_for(0, n_active * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t e = r.active[item / tiles], row0 = (item % tiles) * kRB;
+      const RowsOut o{out, ex.N, ex.row_scale(e)};
+      tile_rows<F, kMB, kRB>(ex.of(e), a, xp, r.start[e], r.start[e + 1], row0, ex.N, o);
+    }
+  });
+}
+
+template <Kind F>
+at::Tensor run(at::Tensor x, const Experts& w13, const Experts& w2, int64_t E, at::Tensor weights, at::Tensor ids,
+               const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x must be [T, H] bf16");
+  const int64_t T = x.size(0), H = x.size(1), I = w2.K;
+  TORCH_CHECK(w13.K == H && w13.N == 2 * I && w2.N == H, op, ": shapes of x ", x.sizes(), ", w13 [", w13.N, ", ",
+              w13.K, "] and w2 [", w2.N, ", ", w2.K, "] per expert do not match");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T && ids.scalar_type() == at::kLong, op, ": ids must be [T, k] int64");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat, op,
+              ": weights must be [T, k] float32 like ids");
+  auto out = at::empty({T, H}, x.options());
+  if (T == 0) return out;
+  const auto wts = weights.contiguous();
+  const Routing r = tandem::avx2::moe::group_by_expert(ids.contiguous(), E, op);
+  const auto fp32 = x.options().dtype(at::kFloat);
+
+  // Pass 1: the tokens of the sorted assignments, quantized per block; gu = their gate and up rows.
+  const auto index = at::from_blob(const_cast<int64_t*>(r.tok.data()), {r.A}, x.options().dtype(at::kLong));
+  const QuantizedActivations xa = tandem::avx2::quantize_activations(x.contiguous().index_select(0, index),
+                                                                     w13.of(0).blocks);
+  auto gu = at::empty({r.A, 2 * I}, fp32);
+  float* gup = gu.data_ptr<float>();
+  expert_pass<F>(w13, r, xa, gup);
+
+  // act = bf16(silu(gate) * up), then quantized per block for pass 2.
+  auto act = at::empty({r.A, I}, x.options());
+  c10::BFloat16* actp = act.data_ptr<c10::BFloat16>();
+  tandem::avx2::parallel_for(0, r.A, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s)
+      for (int64_t i = 0; i < I; ++i)
+        actp[s * I + i] = c10::BFloat16(tandem::avx2::moe::silu(gup[s * 2 * I + i]) * gup[s * 2 * I + I + i]);
+  });
+  const QuantizedActivations aa = tandem::avx2::quantize_activations(act, w2.of(0).blocks);
+
+  // Pass 2: y = act . w2 rows; pass 3: the weighted sum per token.
+  auto y = at::empty({r.A, H}, fp32);
+  expert_pass<F>(w2, r, aa, y.data_ptr<float>());
+  tandem::avx2::moe::combine(r, y.data_ptr<float>(), wts.data_ptr<float>(), H,
+                             reinterpret_cast<c10::BFloat16*>(out.data_ptr<at::BFloat16>()));
+  return out;
+}
+
+}  // namespace
+
+at::Tensor moe_int8(at::Tensor x, at::Tensor w13_q, at::Tensor w13_s, at::Tensor w2_q, at::Tensor w2_s,
+                    at::Tensor weights, at::Tensor ids) {
+  const Experts w13 = experts(w13_q, w13_s, Kind::kInt8, "moe_int8 w13"), w2 = experts(w2_q, w2_s, Kind::kInt8, "moe_int8 w2");
+  TORCH_CHECK(w2_q.size(0) == w13_q.size(0), "moe_int8: w13 and w2 have different expert counts");
+  return run<Kind::kInt8>(x, w13, w2, w13_q.size(0), weights, ids, "moe_int8");
+}
+
+at::Tensor moe_q8_0(at::Tensor x, at::Tensor w13_q, at::Tensor w13_s, at::Tensor w2_q, at::Tensor w2_s,
+                    at::Tensor weights, at::Tensor ids) {
+  const Experts w13 = experts(w13_q, w13_s, Kind::kQ8_0, "moe_q8_0 w13"), w2 = experts(w2_q, w2_s, Kind::kQ8_0, "moe_q8_0 w2");
+  TORCH_CHECK(w2_q.size(0) == w13_q.size(0), "moe_q8_0: w13 and w2 have different expert counts");
+  return run<Kind::kQ8_0>(x, w13, w2, w13_q.size(0), weights, ids, "moe_q8_0");
+}
+
+at::Tensor moe_int4(at::Tensor x, at::Tensor w13_q, at::Tensor w13_s, at::Tensor w2_q, at::Tensor w2_s,
+                    at::Tensor weights, at::Tensor ids) {
+  const Experts w13 = experts(w13_q, w13_s, Kind::kQ4_0, "moe_int4 w13"), w2 = experts(w2_q, w2_s, Kind::kQ4_0, "moe_int4 w2");
+  TORCH_CHECK(w2_q.size(0) == w13_q.size(0), "moe_int4: w13 and w2 have different expert counts");
+  return run<Kind::kQ4_0>(x, w13, w2, w13_q.size(0), weights, ids, "moe_int4");
+}
