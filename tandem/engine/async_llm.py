@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from tandem.config import EngineConfig
 from tandem.engine.core_client import EngineCoreClient
-from tandem.engine.core_proc import CoreStats
+from tandem.engine.core_messages import CoreStats
 from tandem.engine.loading import Frontend, load_chat_template, load_frontend
 from tandem.engine.output_loop import QUEUE_FULL_RETRY_AFTER_S, OutputLoopMixin
 from tandem.engine.output_processor import OutputProcessor

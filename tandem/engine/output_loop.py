@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from tandem.engine.core_proc import AddResult, CoreFailed, CoreStats, StepFailed, StepOutputs
+from tandem.engine.core_messages import AddResult, CoreFailed, CoreStats, StepFailed, StepOutputs
 from tandem.engine.request_stream import ChildState, PromptState
 from tandem.errors import DuplicateRequestError, EngineRequestError
 from tandem.kv_cache.events import KVEventBatch
