@@ -145,6 +145,9 @@ def report(results: list[tuple[str, RequestResult]], args: argparse.Namespace, w
     good = sum(r.ttft * 1000 <= args.slo_ttft_ms
                and (request_tpot(r, args.output_tokens) or 0.0) * 1000 <= args.slo_tpot_ms for _, r in ok)
     out["slo_attainment"] = round(good / len(results), 3) if results else None
+    # NOTE: per request (kind, TTFT ms, TPOT ms; None when it failed), so goodput can be recomputed for other SLOs
+    out["per_request"] = [(k, round(r.ttft * 1000, 1), round((request_tpot(r, args.output_tokens) or 0.0) * 1000, 1))
+                          if r.success else (k, None, None) for k, r in results]
     return out
 
 
@@ -167,15 +170,17 @@ def run_setup(name: str, model: Path, args: argparse.Namespace, tokenizer: Any, 
             results = asyncio.run(one_load(url, model_id, schedule, timeout_s=600.0))
             runs[label] = {**report(results, args, args.window_s), "wall_s": round(time.perf_counter() - t0, 1),
                            "loadavg": [round(x, 2) for x in os.getloadavg()]}
-            print(name, label, json.dumps(runs[label]), flush=True)
+            print(name, label, json.dumps({k: v for k, v in runs[label].items() if k != "per_request"}), flush=True)
         return runs
     finally:
         stop(procs)
 
 
 def goodput(runs: dict[str, Any]) -> float:
-    """DistServe's goodput: the highest request rate among the runs whose SLO attainment is >= 90%."""
-    rates = [r["request_rate"] for r in runs.values() if (r["slo_attainment"] or 0) >= 0.9]
+    """DistServe's goodput: the highest request rate among the long-prompt mix runs whose SLO attainment is
+    >= 90% (the run without long prompts is the ITL baseline, not a point of the sweep)."""
+    rates = [r["request_rate"] for label, r in runs.items()
+             if label != "no_long" and (r["slo_attainment"] or 0) >= 0.9]
     return max(rates) if rates else 0.0
 
 

@@ -121,8 +121,8 @@ def _tiny_config(name: str):
         return tf.Qwen2Config(**_TINY_COMMON, tie_word_embeddings=True)
     if name == "qwen3":
         return tf.Qwen3Config(**_TINY_COMMON, head_dim=32, tie_word_embeddings=False)
-    if name in TINY_PHI3_MODELS:
-        return _tiny_phi3_config(name == "phi3_longrope")
+    if name in TINY_PHI3_MODELS or name == "phi3_partial":
+        return _tiny_phi3_config(name != "phi3", partial=0.5 if name == "phi3_partial" else 1.0)
     moe = {k: v for k, v in _TINY_COMMON.items() if k != "intermediate_size"}
     if name == "qwen3_moe":
         return tf.Qwen3MoeConfig(**moe, intermediate_size=96, moe_intermediate_size=32, head_dim=32, num_experts=8,
@@ -144,19 +144,20 @@ def _tiny_config(name: str):
     raise ValueError(f"unknown tiny model {name!r}; choose from {TINY_MODELS + TINY_MOE_MODELS + TINY_PHI3_MODELS}")
 
 
-def _tiny_phi3_config(longrope: bool):
+def _tiny_phi3_config(longrope: bool, partial: float = 1.0):
+    """``partial`` < 1: Phi-4-mini's partial rotary (``phi3_partial``, only tests/parity/test_phi3_vs_hf.py)."""
     import torch
     import transformers as tf
 
     if not longrope:
         return tf.Phi3Config(**_TINY_COMMON, tie_word_embeddings=True, pad_token_id=0)
     g = torch.Generator().manual_seed(3)
-    half = _TINY_COMMON["hidden_size"] // _TINY_COMMON["num_attention_heads"] // 2
+    half = int(_TINY_COMMON["hidden_size"] // _TINY_COMMON["num_attention_heads"] * partial) // 2
     rope = {"rope_type": "longrope", "rope_theta": 10000.0,
             "short_factor": (1.0 + 0.5 * torch.rand(half, generator=g)).tolist(),
             "long_factor": (1.0 + 7.0 * torch.rand(half, generator=g)).tolist()}
     return tf.Phi3Config(**_TINY_COMMON, tie_word_embeddings=False, pad_token_id=0, rope_parameters=rope,
-                         original_max_position_embeddings=32)
+                         original_max_position_embeddings=32, partial_rotary_factor=partial)
 
 
 def build_tiny_checkpoint(name: str, out_dir: Path) -> Path:

@@ -68,9 +68,10 @@ def start_server(model: Path, name: str, log: Path) -> tuple[subprocess.Popen, s
 def run_lm_eval(venv: Path, url: str, name: str, out: Path) -> tuple[list[str], dict, list[dict]]:
     """Runs lm-eval on the task; returns its command, results JSON and logged samples."""
     model_args = (f"model={name},base_url={url}/v1/completions,tokenizer_backend=remote,"
-                  "num_concurrent=1,max_retries=1,batch_size=20")
+                  "num_concurrent=1,max_retries=1")
     cmd = [str(venv / "bin" / "lm_eval"), "run", "--model", "local-completions", "--model_args", model_args,
-           "--tasks", "tandem_local_mc", "--include_path", str(HERE), "--log_samples", "--output_path", str(out)]
+           "--batch_size", "20", "--tasks", "tandem_local_mc", "--include_path", str(HERE), "--log_samples",
+           "--output_path", str(out)]
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
     subprocess.run(cmd, cwd=HERE, env=env, check=True)
     results = json.loads(next(out.rglob("results_*.json")).read_text())

@@ -9,7 +9,9 @@ Gates (Flagger's metric checks, Kayenta's primary-vs-candidate comparison): over
 `window_s` seconds, see `GateConfig`. A failed gate sets the weight to 0 at once and for good (a
 rollback is not undone automatically), logs why, and is shown in /metrics and /gateway/status.
 Promotion: with steps, each step holds for `hold_s` seconds while the gates pass, then the next
-step's weight applies; after the last step the weight stays.
+step's weight applies once the gates had something to judge in the step (`min_requests` candidate
+requests or `min_comparisons` shadow comparisons; with the gates off the hold alone); after the last
+step the weight stays.
 """
 
 from __future__ import annotations
@@ -144,12 +146,24 @@ class CanaryController:
             self.weight = 0.0
             return
         steps = self.config.steps
-        if 0 <= self.step_index < len(steps) - 1 and self._clock() - self.step_started >= steps[self.step_index].hold_s:
+        i = self.step_index
+        held = 0 <= i < len(steps) - 1 and self._clock() - self.step_started >= steps[i].hold_s
+        if held and (not self.gates.enabled or self._step_judged()):
             self.step_index += 1
             self.step_started = self._clock()
             self.weight = steps[self.step_index].weight
             self.promotions += 1
             logger.warning("gateway: promoted to canary step %d (candidate weight %.3f)", self.step_index, self.weight)
+
+    def _step_judged(self) -> bool:
+        """True once the gates have had something to judge during this step: `min_requests`
+        candidate requests, or `min_comparisons` shadow comparisons (a weight-0 step that only
+        shadows), in the window since the step began. A hold that passes without traffic is no
+        evidence, so it does not promote (Flagger halts an analysis that finds no metrics)."""
+        since = self.step_started
+        served = sum(o.backend == CANDIDATE and o.at >= since for o in self.outcomes)
+        compared = sum(at >= since for at, _ in self.comparisons)
+        return served >= self.gates.min_requests or compared >= self.gates.min_comparisons
 
     def snapshot(self) -> dict:
         """Weights, steps, rollback and the window's gate figures, as JSON-ready values."""

@@ -290,7 +290,15 @@ class Gateway:
             if shadow is not None and not shadow.done():
                 shadow.set_result(capture)
         finally:
-            if not settled:  # NOTE: the client went away; the request is not the backend's failure
+            if not settled and tap.capture.done:
+                # NOTE: the backend's whole answer, `[DONE]` included, was handed on and the client
+                # closed (the openai client does right after `[DONE]`) before this generator resumed:
+                # a complete answer, accounted as one.
+                capture = tap.finish()
+                self._settle(name, capture, generation)
+                if shadow is not None and not shadow.done():
+                    shadow.set_result(capture)
+            elif not settled:  # NOTE: the client went away; the request is not the backend's failure
                 self.breakers[name].probe_in_flight = False
                 if shadow is not None and not shadow.done():
                     shadow.set_result(None)

@@ -23,7 +23,7 @@ import torch
 from tandem.kernels.build import load_extension, selected_variant, unsupported_reason
 
 __all__ = [
-    "available", "backend", "dequantize", "linear_bf16", "moe_bf16", "moe_int4", "moe_int8", "linear_int4",
+    "available", "backend", "dequantize", "linear_bf16", "moe_bf16", "moe_int4", "moe_int8", "moe_q8_0", "linear_int4",
     "linear_int8", "linear_max_tokens", "paged_attention", "rms_norm", "rotary", "silu_and_mul",
     "supports_window_softcap", "unavailable_reason",
 ]
@@ -142,6 +142,20 @@ def moe_int8(
         RuntimeError: wrong dtypes or shapes, an expert id outside ``[0, E)`` (raised by the kernel).
     """
     return load_extension().moe_int8(x, w13_q, w13_s, w2_q, w2_s, weights, ids)
+
+
+def moe_q8_0(
+    x: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor,
+    weights: torch.Tensor, ids: torch.Tensor,
+) -> torch.Tensor:
+    """``moe_int8`` with a GGUF's Q8_0 experts: ``w13_q [E, 2I, H]`` / ``w2_q [E, H, I]`` int8 codes,
+    ``w13_s [E, 2I, H/32]`` / ``w2_s [E, H, I/32]`` fp16 group scales; H and I multiples of 32. Arithmetic
+    as ``linear_q8_0``.
+
+    Raises:
+        RuntimeError: wrong dtypes or shapes, an expert id outside ``[0, E)`` (raised by the kernel).
+    """
+    return load_extension().moe_q8_0(x, w13_q, w13_s, w2_q, w2_s, weights, ids)
 
 
 def moe_int4(

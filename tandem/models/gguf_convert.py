@@ -78,6 +78,9 @@ _TORCH_DTYPE = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 QUANTIZED_KEY = "tandem_quantized"
 QUANTIZED_VERSION = 1
 # Block types kept as they are -> QuantizedLinear format (block layouts: tandem/models/gguf_blocks.py).
+# Merged expert tensors kept as codes when a layer's three are all of one of these (the fused MoE kernel's
+# formats, ``kernels.moe_q8_0`` / ``moe_int4``); the others are dequantized.
+KEPT_EXPERT_BLOCKS = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0)
 _KEPT_BLOCKS = {
     GGMLQuantizationType.Q8_0: "q8_0",
     GGMLQuantizationType.Q4_0: "int4",
@@ -312,13 +315,31 @@ def _hf_shape(tensor: ReaderTensor) -> tuple[int, ...]:
     return tuple(int(n) for n in reversed(tensor.shape.tolist()))
 
 
+def _block_shapes(fmt: str, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """`block_shapes` of a 2-D `[n, k]` or a merged 3-D `[E, n, k]` (experts) tensor."""
+    *lead, k = shape
+    shapes = block_shapes(fmt, math.prod(lead), k)
+    return {part: ((*lead, *dims[1:]), dtype) for part, (dims, dtype) in shapes.items()}
+
+
 def _quantized_entries(module: str, tensor: ReaderTensor, permute_heads: int | None) -> list[_Entry]:
     """The codes and scales of a kept block tensor (`_KEPT_BLOCKS`), named after the HF `module`."""
     fmt = _KEPT_BLOCKS[tensor.tensor_type]
-    shapes = block_shapes(fmt, *_hf_shape(tensor))
+    shapes = _block_shapes(fmt, _hf_shape(tensor))
     dtypes = {torch.int8: "I8", torch.uint8: "U8", torch.float16: "F16"}
     return [_Entry(f"{module}.{part}", tensor, dtypes[dtype], shape, permute_heads, part)
             for part, (shape, dtype) in shapes.items()]
+
+
+def _kept_expert_layers(tensors: list[ReaderTensor]) -> set[str]:
+    """The `blk.N` whose merged experts (`ffn_{gate,up,down}_exps`) are all in one of `KEPT_EXPERT_BLOCKS`:
+    kept as codes for the fused MoE kernel (`models/moe_quant.py`); other layers' experts are dequantized."""
+    types: dict[str, list] = {}
+    for tensor in tensors:
+        if tensor.name.split(".")[-2] in gguf_moe.EXPERT_BASES:
+            types.setdefault(tensor.name.rsplit(".", 2)[0], []).append(tensor.tensor_type)
+    return {blk for blk, kinds in types.items()
+            if len(kinds) == 3 and len(set(kinds)) == 1 and kinds[0] in KEPT_EXPERT_BLOCKS}
 
 
 def _plan(
@@ -331,12 +352,17 @@ def _plan(
     permute = config["model_type"] in gguf_moe.PERMUTED_QK
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     entries, quantized = [], {}
+    kept_experts = _kept_expert_layers(tensors) if keep_quantized else set()
     for tensor in tensors:
         if tensor.name == _ROPE_FREQS:
             continue
         base = tensor.name.split(".")[-2]
         hf_name = hf_tensor_name(tensor.name, config["model_type"])
         permute_heads = heads.get(base) if permute else None
+        if base in gguf_moe.EXPERT_BASES and tensor.name.rsplit(".", 2)[0] in kept_experts:
+            entries += _quantized_entries(hf_name, tensor, None)
+            quantized[hf_name] = _KEPT_BLOCKS[tensor.tensor_type]
+            continue
         kept = keep_quantized and tensor.tensor_type in _KEPT_BLOCKS and len(tensor.shape) == 2
         if kept and (base in _LINEAR_BASES or base in gguf_moe.SHARED_LINEAR_BASES) and tensor.name.endswith(".weight"):
             module = hf_name.removesuffix(".weight")
@@ -386,8 +412,9 @@ def block_parts(tensor: ReaderTensor) -> dict[str, np.ndarray]:
     """
     fmt = _KEPT_BLOCKS[tensor.tensor_type]
     layout = LAYOUTS[fmt]
-    n, k = _hf_shape(tensor)
-    shapes = block_shapes(fmt, n, k)
+    *lead, k = _hf_shape(tensor)
+    n = math.prod(lead)  # NOTE: merged experts [E, N, K] are split as E * N rows, then reshaped
+    shapes = _block_shapes(fmt, _hf_shape(tensor))
     blocks = np.asarray(tensor.data).view(np.uint8).reshape(n, k // layout.values, layout.nbytes)
     scale = blocks[..., slice(*layout.scale)].copy().view(np.float16)
     codes = blocks[..., slice(*layout.codes)].copy()

@@ -5,8 +5,10 @@ llama.cpp stores each layer's experts merged into 3-D tensors, ``blk.N.ffn_{gate
 (``[E, H]``), and Qwen2-MoE's shared expert as ``ffn_{gate,up,down}_shexp`` with its gate
 ``ffn_gate_inp_shexp``. They become ``<block>.experts.{gate,up,down}_proj`` (``models/moe.py`` loads
 that layout), ``<block>.gate.weight`` and
-``mlp.shared_expert.*`` / ``mlp.shared_expert_gate.weight``. Merged expert tensors in block types
-(Q8_0, Q4_0, Q4_K, Q6_K, ...) are dequantized by the converter (the bf16 MoE kernel reads bf16).
+``mlp.shared_expert.*`` / ``mlp.shared_expert_gate.weight``. A layer whose three merged expert tensors are
+all Q8_0 or all Q4_0 keeps their codes (``<block>.experts.{gate,up,down}_proj.qweight`` / ``.scale``, run by
+``kernels.moe_q8_0`` / ``moe_int4``); other block types (Q4_K, Q6_K, mixes, ...) are dequantized by the
+converter.
 
 Sources: llama.cpp's ``convert_hf_to_gguf.py`` (``Qwen2MoeModel``, ``Qwen3MoeModel``, Mixtral through
 ``LlamaModel``) and gguf-py's ``constants.py`` (key and tensor
@@ -41,6 +43,7 @@ _BLOCK = {
 }
 # Shared-expert tensors are ordinary linear layers (kept quantized like any other).
 SHARED_LINEAR_BASES = frozenset({"ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"})
+EXPERT_BASES = frozenset({"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"})
 
 
 def moe_architecture(arch: str, meta: dict[str, Any]) -> tuple[str, str, bool] | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,7 @@ class RopeConfig:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    partial_rotary_factor: float = 1.0  # the first int(head_dim * it) dims of each head rotate (Phi-4-mini: 0.75)
 
 
 @dataclass(frozen=True)
@@ -332,8 +333,13 @@ def _rope_config(cfg: dict[str, Any], path: Path, layer_type: str) -> RopeConfig
             f"{', '.join(SUPPORTED_ROPE_TYPES)}"
         )
     partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0)
-    if partial != 1.0:
-        raise CheckpointError(f"{path}: partial_rotary_factor {partial} is not supported (only 1.0)")
+    if not 0.0 < partial <= 1.0:
+        raise CheckpointError(f"{path}: partial_rotary_factor must be in (0, 1], got {partial}")
+    return replace(_rope_of_type(cfg, params, rope_type, float(theta), partial, path), partial_rotary_factor=partial)
+
+
+def _rope_of_type(cfg: dict[str, Any], params: dict[str, Any], rope_type: str, theta: float, partial: float,
+                  path: Path) -> RopeConfig:
     if rope_type == "default":
         return RopeConfig(theta=float(theta))
     if rope_type == "linear":
@@ -342,7 +348,7 @@ def _rope_config(cfg: dict[str, Any], path: Path, layer_type: str) -> RopeConfig
         return RopeConfig(rope_type="linear", theta=float(theta), factor=float(params["factor"]))
     try:
         if rope_type in ("longrope", "su"):
-            return _longrope_config(cfg, params, float(theta), path)
+            return _longrope_config(cfg, params, float(theta), partial, path)
         return RopeConfig(
             rope_type=rope_type,
             theta=float(theta),
@@ -355,7 +361,8 @@ def _rope_config(cfg: dict[str, Any], path: Path, layer_type: str) -> RopeConfig
         raise CheckpointError(f"{path}: {rope_type} rope parameters lack {e.args[0]!r}") from None
 
 
-def _longrope_config(cfg: dict[str, Any], params: dict[str, Any], theta: float, path: Path) -> RopeConfig:
+def _longrope_config(cfg: dict[str, Any], params: dict[str, Any], theta: float, partial: float,
+                     path: Path) -> RopeConfig:
     """LongRoPE as transformers' ``_compute_longrope_parameters`` reads it: the top-level
     ``original_max_position_embeddings`` wins over the rope dict's (Phi-3 writes it there), ``factor``
     defaults to ``max_position_embeddings / original``, and ``attention_factor`` to
@@ -368,7 +375,7 @@ def _longrope_config(cfg: dict[str, Any], params: dict[str, Any], theta: float, 
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    half = int(cfg.get("head_dim") or hidden // heads) // 2
+    half = int(int(cfg.get("head_dim") or hidden // heads) * partial) // 2
     short, long = tuple(map(float, params["short_factor"])), tuple(map(float, params["long_factor"]))
     if len(short) != half or len(long) != half:
         raise CheckpointError(f"{path}: longrope short_factor / long_factor need {half} values each, "

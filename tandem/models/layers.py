@@ -192,10 +192,11 @@ def _cos_sin(inv_freq: torch.Tensor, num_positions: int, scale: float) -> tuple[
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding tables in the rotate-half layout of Hugging Face checkpoints.
 
-    ``cos``/``sin`` caches ``[rows, head_dim]`` are computed once in float32; at use they are cast to the
+    ``cos``/``sin`` caches ``[rows, R]`` are computed once in float32; at use they are cast to the
     model dtype (as transformers does). ``forward(positions [T] int64, dtype, prompt_lens=None)``
-    returns ``(cos, sin)``, each ``[T, 1, head_dim]``, for ``apply_rotary``; a model computes them once
-    per step and shares them across layers.
+    returns ``(cos, sin)``, each ``[T, 1, R]``, for ``apply_rotary``; a model computes them once
+    per step and shares them across layers. ``R = rotary_dim(head_dim, rope)``: ``head_dim`` unless
+    ``partial_rotary_factor`` < 1 (then only each head's first R dims rotate, ``apply_partial_rotary``).
 
     "longrope" keeps two tables, the short factors' for positions below ``original_max_position_embeddings``
     (``O``) and the long factors' for every position, both scaled by ``attention_factor``. transformers picks
@@ -213,11 +214,11 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.max_positions = max_positions
         self.long_offset = 0
-        cos, sin = _cos_sin(rope_inv_freq(head_dim, rope), max_positions, rope.attention_factor)
+        dim = rotary_dim(head_dim, rope)
+        cos, sin = _cos_sin(rope_inv_freq(dim, rope), max_positions, rope.attention_factor)
         if rope.rope_type == "longrope":
             self.long_offset = min(rope.original_max_position_embeddings, max_positions)
-            long_cos, long_sin = _cos_sin(rope_inv_freq(head_dim, rope, long=True), max_positions,
-                                          rope.attention_factor)
+            long_cos, long_sin = _cos_sin(rope_inv_freq(dim, rope, long=True), max_positions, rope.attention_factor)
             cos = torch.cat((cos[: self.long_offset], long_cos))
             sin = torch.cat((sin[: self.long_offset], long_sin))
         self.register_buffer("cos_cache", cos, persistent=False)
@@ -235,6 +236,23 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache[rows].to(dtype).unsqueeze(1)
         sin = self.sin_cache[rows].to(dtype).unsqueeze(1)
         return cos, sin
+
+
+def rotary_dim(head_dim: int, rope: RopeConfig) -> int:
+    """How many of each head's first dims rotate: ``int(head_dim * partial_rotary_factor)``, as transformers."""
+    return int(head_dim * rope.partial_rotary_factor)
+
+
+def apply_partial_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rotary`` on the first ``R = cos.shape[-1]`` dims of each head of ``q [T, H, D]``, ``k [T, KV, D]``;
+    dims ``R ..`` pass through (transformers' ``apply_rotary_pos_emb`` with ``partial_rotary_factor``)."""
+    r = cos.shape[-1]
+    if r == q.shape[-1]:
+        return apply_rotary(q, k, cos, sin)
+    q_rot, k_rot = apply_rotary(q[..., :r], k[..., :r], cos, sin)
+    return torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
 
 
 def apply_rotary(

@@ -22,8 +22,9 @@ from tandem.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     SiluAndMul,
-    apply_rotary,
+    apply_partial_rotary,
     apply_rotary_,
+    rotary_dim,
 )
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_blocks, block_size, KV, D]
@@ -51,6 +52,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(q_size, cfg.hidden_size, o_bias, dtype)
         self.scale = cfg.attention_multiplier if cfg.attention_multiplier is not None else self.head_dim**-0.5
         self.clip_qkv = cfg.clip_qkv
+        self.partial_rotary = rotary_dim(self.head_dim, cfg.rope) != self.head_dim  # Phi-4-mini
         self.backend = backend
         # NOTE: per layer, set by LlamaModel from ``cfg.layer_window(i)``: keys p - window + 1 .. p only.
         self.sliding_window: int | None = None
@@ -75,12 +77,12 @@ class LlamaAttention(nn.Module):
         q = qkv[:, :q_end].view(t, heads, head_dim)
         k = qkv[:, q_end:k_end].view(t, kv_heads, head_dim)
         v = qkv[:, k_end:].view(t, kv_heads, head_dim)
-        if self.has_qk_norm or self.clip_qkv is not None:
+        if self.has_qk_norm or self.clip_qkv is not None or self.partial_rotary:
             q, k = self.norm_qk(q, k)
             if self.clip_qkv is not None:  # OLMoE: after the norm
                 c = self.clip_qkv
                 q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
-            q, k = apply_rotary(q, k, *rope)
+            q, k = apply_partial_rotary(q, k, *rope)
         else:
             apply_rotary_(qkv[:, :k_end].view(t, heads + kv_heads, head_dim), *rope)
         out = self.backend(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window, self.softcap)
@@ -175,7 +177,7 @@ class LlamaDecoderLayer(nn.Module):
         # NOTE: asked on every call, not cached: quantize_model and self-speculation's deepcopy replace
         # the Linear modules after construction.
         attn, mlp = self.self_attn, self.mlp
-        if (attn.has_qk_norm or attn.clip_qkv is not None or self.residual_multiplier != 1.0
+        if (attn.has_qk_norm or attn.clip_qkv is not None or attn.partial_rotary or self.residual_multiplier != 1.0
                 or type(mlp) is not LlamaMLP or attn.softcap is not None):
             return None
         # NOTE: the fused layer attends without a window: only when every key is inside it.

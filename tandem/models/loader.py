@@ -26,6 +26,7 @@ from tandem.attention import AttentionBackend
 from tandem.models.hf_config import CheckpointError, HFModelConfig
 from tandem.models.layers import Linear
 from tandem.models.llama import LlamaForCausalLM
+from tandem.models.moe_quant import use_quantized_experts
 from tandem.models.quant import ConcatLinear, QuantizedLinear, dequantize_weight
 from tandem.models.registry import get_model_class
 
@@ -119,11 +120,13 @@ def _shard_names(name: str, module: Linear | QuantizedLinear) -> list[str]:
 
 
 def use_quantized_modules(model: torch.nn.Module, formats: dict[str, str]) -> None:
-    """Replace each ``Linear`` whose checkpoint shards are all stored in one quantized format.
+    """Replace each ``Linear`` whose checkpoint shards are all stored in one quantized format, and the experts of
+    each MoE block stored as codes (``moe_quant.use_quantized_experts``).
 
     Changes: ``model``'s modules in place (new, uninitialized ``QuantizedLinear`` / ``ConcatLinear`` modules;
     a tied LM head stops sharing the embedding table). Layers with some shards not quantized stay float.
     """
+    use_quantized_experts(model, formats)
     for name, module in list(model.named_modules()):
         if not isinstance(module, Linear):
             continue

@@ -175,6 +175,12 @@ class SparseMoeBlock(nn.Module):
             out = (out.float() + gate * self.shared_expert.forward(x).float()).to(x.dtype)
         return out
 
+    def checkpoint_prefix(self, module_name: str) -> str:
+        """The checkpoint module name of the block ``module_name`` (e.g. ``model.layers.0.block_sparse_moe``)."""
+        parent = module_name.rpartition(".")[0]
+        ckpt_name = self.LAYOUTS[self.layout][0]
+        return f"{parent}.{ckpt_name}" if parent else ckpt_name
+
     def checkpoint_targets(self, module_name: str) -> list[list[Target]]:
         """Alternative ways the checkpoint may hold the router and experts of the block ``module_name``.
 
@@ -182,12 +188,13 @@ class SparseMoeBlock(nn.Module):
         alternative whose tensors are all present. The shared expert's ``Linear`` layers are loaded
         the usual way and are not listed.
         """
-        ckpt_name, router_name, names = self.LAYOUTS[self.layout]
+        _, router_name, names = self.LAYOUTS[self.layout]
         gate, up, down = names or (None, None, None)
-        parent = module_name.rpartition(".")[0]
-        prefix = f"{parent}.{ckpt_name}" if parent else ckpt_name
-        w13, w2, inter = self.experts.w13, self.experts.w2, self.experts.intermediate
+        prefix = self.checkpoint_prefix(module_name)
         router = [(f"{prefix}.{router_name}", self.router)]
+        if not isinstance(self.experts, FusedExperts):  # a GGUF's expert codes (models.moe_quant.QuantizedExperts)
+            return [router + self.experts.checkpoint_parts(f"{prefix}.experts")]
+        w13, w2, inter = self.experts.w13, self.experts.w2, self.experts.intermediate
         fused = [(f"{prefix}.experts.gate_up_proj", w13), (f"{prefix}.experts.down_proj", w2)]
         # what gguf_convert writes for llama.cpp's ffn_{gate,up,down}_exps
         stacked = [(f"{prefix}.experts.gate_proj", w13[:, :inter]), (f"{prefix}.experts.up_proj", w13[:, inter:]),

@@ -6,7 +6,9 @@
 stacked. int4 needs ``H`` and ``I`` to be multiples of 32; otherwise the experts use int8. bf16 models run
 ``kernels.moe_int8`` / ``moe_int4`` (tokens grouped by expert, each selected expert's codes read once per
 step, one OpenMP team); elsewhere (float32 models, the torch backend) the experts are dequantized once,
-kept, and run ``moe.moe_grouped``, as ``QuantizedLinear`` does.
+kept, and run ``moe.moe_grouped``, as ``QuantizedLinear`` does. A GGUF's Q8_0 / Q4_0 experts
+(``gguf_convert`` keeps their codes) load into ``QuantizedExperts.empty`` as stored: ``q8_0`` (group-32
+int8, ``kernels.moe_q8_0``) or ``int4`` (which is Q4_0).
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from torch import nn
 
 from tandem import kernels
 from tandem.kernels import registry
-from tandem.models.moe import FusedExperts, moe_grouped
-from tandem.models.quant import GROUP, METHODS, dequantize_weight, quantize_int4, quantize_int8
+from tandem.models.moe import FusedExperts, SparseMoeBlock, moe_grouped
+from tandem.models.quant import GROUP, METHODS, dequantize_weight, quantize_int4, quantize_int8, quantized_shapes
+
+GGUF_FORMATS = ("q8_0", "int4")  # a GGUF's Q8_0 / Q4_0 experts, kept as stored (gguf_convert.KEPT_EXPERT_BLOCKS)
 
 
 def quantize_stack(weights: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,8 +54,41 @@ class QuantizedExperts(nn.Module):
         with torch.no_grad():
             w13_q, w13_s = quantize_stack(experts.w13.detach(), self.method)
             w2_q, w2_s = quantize_stack(experts.w2.detach(), self.method)
-        for name, tensor in (("w13_q", w13_q), ("w13_s", w13_s), ("w2_q", w2_q), ("w2_s", w2_s)):
+        self._register(w13_q, w13_s, w2_q, w2_s)
+
+    def _register(self, *tensors: torch.Tensor) -> None:
+        for name, tensor in zip(("w13_q", "w13_s", "w2_q", "w2_s"), tensors, strict=True):
             self.register_buffer(name, tensor)
+
+    @classmethod
+    def empty(cls, method: str, num_experts: int, hidden: int, intermediate: int) -> QuantizedExperts:
+        """Uninitialized experts in a GGUF block format (``GGUF_FORMATS``) for the loader to fill with the file's
+        codes (``checkpoint_parts``).
+
+        Raises:
+            ValueError: another ``method``, or sizes that are not multiples of 32.
+        """
+        if method not in GGUF_FORMATS:
+            raise ValueError(f"expert codes must be one of {GGUF_FORMATS}, got {method!r}")
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.num_experts, self.intermediate, self.method = num_experts, intermediate, method
+        parts = []
+        for n, k in ((2 * intermediate, hidden), (hidden, intermediate)):
+            shapes = quantized_shapes(method, n, k)
+            parts += [torch.empty(num_experts, *shapes[p][0], dtype=shapes[p][1]) for p in ("qweight", "scale")]
+        self._register(*parts)
+        return self
+
+    def checkpoint_parts(self, prefix: str) -> list[tuple[str, torch.Tensor]]:
+        """``(tensor name, destination view)`` of the stacked layout ``prefix.{gate,up,down}_proj.{qweight,scale}``
+        (what ``gguf_convert`` writes for kept ``ffn_*_exps``): gate and up fill ``w13``'s two row halves."""
+        i = self.intermediate
+        out = []
+        for part, w13, w2 in (("qweight", self.w13_q, self.w2_q), ("scale", self.w13_s, self.w2_s)):
+            out += [(f"{prefix}.gate_proj.{part}", w13[:, :i]), (f"{prefix}.up_proj.{part}", w13[:, i:]),
+                    (f"{prefix}.down_proj.{part}", w2)]
+        return out
 
     def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w13 [E, 2I, H], w2 [E, H, I])`` dequantized to ``dtype`` (the torch path and the tests' oracle)."""
@@ -81,3 +118,19 @@ def quantize_experts(model: nn.Module, method: str) -> None:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, QuantizedExperts(module, method))
+
+
+def use_quantized_experts(model: nn.Module, formats: dict[str, str]) -> None:
+    """Give each MoE block whose checkpoint stores its experts' codes (``formats``: config.json's
+    ``tandem_quantized`` modules, one format for gate, up and down) empty ``QuantizedExperts`` to load them into.
+
+    Changes: ``model``'s modules in place.
+    """
+    for name, block in list(model.named_modules()):
+        if not isinstance(block, SparseMoeBlock):
+            continue
+        prefix = block.checkpoint_prefix(name)
+        kinds = {formats.get(f"{prefix}.experts.{p}_proj") for p in ("gate", "up", "down")}
+        if len(kinds) == 1 and None not in kinds:
+            moe, hidden = block.moe, block.router.shape[1]
+            block.experts = QuantizedExperts.empty(kinds.pop(), moe.num_experts, hidden, moe.intermediate_size)

@@ -23,7 +23,7 @@ checks one by one, and the runner's new drafts are stored on the request for the
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 from tandem.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tandem.errors import ContextLengthExceededError, DuplicateRequestError
@@ -32,18 +32,19 @@ from tandem.outputs import (
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
-    ScheduledRequest,
     SchedulerOutput,
 )
 from tandem.request import Request, RequestStatus
 from tandem.scheduler.integrity import check_scheduler
+from tandem.scheduler.planning import TokenPlanner, make_row
 from tandem.scheduler.policies import make_waiting_queue
+from tandem.scheduler.remote_kv import RemoteKVMixin
 from tandem.scheduler.results import append_tokens, make_output, verify_counts
 from tandem.scheduler.stats import SchedulerStats
 from tandem.spec_decode.metrics import SpecDecodeStats
 
 
-class Scheduler:
+class Scheduler(RemoteKVMixin):
     """Decides which requests run each step and how many tokens each computes.
 
     Args:
@@ -87,6 +88,8 @@ class Scheduler:
         spec = speculative_config
         self.num_lookahead_tokens = spec.num_speculative_tokens if spec and spec.uses_draft_model else 0
         self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens) if spec else None
+        self.planner = TokenPlanner(scheduler_config.long_prefill_token_threshold, self.max_model_len,
+                                    self.num_lookahead_tokens)
 
     # ---- queues -------------------------------------------------------------------------------
 
@@ -119,76 +122,6 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
-
-    def add_remote_kv_request(
-        self, request: Request, num_remote_tokens: int, hit_block_ids: Sequence[int] = (), num_hit_tokens: int = 0,
-    ) -> list[int] | None:
-        """Admits a request whose first ``num_remote_tokens`` tokens' KV will be written by someone else.
-
-        Allocates blocks for those tokens now and queues the request as WAITING_FOR_REMOTE_KV: the
-        policy skips it (without blocking others) until ``mark_remote_kv_ready``. The caller writes
-        the KV into the returned blocks (``ModelRunner.write_kv_blocks``). At least the last prompt
-        token is computed locally, so ``num_remote_tokens < num_prompt_tokens``. A local prefix-cache
-        hit (``KVCacheManager.get_computed_blocks``: ``hit_block_ids`` holding ``num_hit_tokens``
-        tokens, fewer than ``num_remote_tokens``) is shared: only the blocks after it need the KV.
-
-        Returns:
-            The request's block table (ids covering ``num_remote_tokens`` tokens), or None when the
-            pool lacks free blocks now (then nothing changed; retry later).
-        Changes: block tables, the waiting queue, the request's status.
-        Raises:
-            As ``add_request``; ValueError: ``num_remote_tokens`` outside ``[1, num_prompt_tokens - 1]``,
-            a hit that is not shorter than it, or the request wants prompt logprobs (they need every prompt
-            position computed here).
-        """
-        self._validate_new(request)
-        if request.sampling_params.prompt_logprobs is not None:
-            raise ValueError(f"request {request.request_id!r}: prompt logprobs need the whole prompt computed "
-                             "here, not remote KV")
-        if not 1 <= num_remote_tokens < request.num_prompt_tokens:
-            raise ValueError(f"request {request.request_id!r}: num_remote_tokens must be in "
-                             f"[1, {request.num_prompt_tokens - 1}], got {num_remote_tokens}")
-        if num_hit_tokens >= num_remote_tokens:
-            raise ValueError(f"request {request.request_id!r}: a hit of {num_hit_tokens} tokens leaves "
-                             f"none of the {num_remote_tokens} remote tokens to receive")
-        block_ids = self.kv_cache_manager.allocate_slots(request, num_remote_tokens - num_hit_tokens,
-                                                         hit_block_ids, num_hit_tokens)
-        if block_ids is None:
-            return None
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self.requests[request.request_id] = request
-        self.remote_kv_tokens[request.request_id] = num_remote_tokens
-        self.waiting.add(request)
-        return block_ids
-
-    def mark_remote_kv_ready(self, request_id: str) -> None:
-        """The remote KV of a WAITING_FOR_REMOTE_KV request is in its blocks: they become written.
-
-        Changes: the request's ``num_computed_tokens`` (= its remote tokens) and status (WAITING);
-        its full blocks enter the prefix cache.
-        Raises:
-            KeyError: no such request waits for remote KV.
-        """
-        num_tokens = self.remote_kv_tokens.pop(request_id)
-        request = self.requests[request_id]
-        request.num_computed_tokens = num_tokens
-        self.kv_cache_manager.cache_written_blocks(request)
-        request.status = RequestStatus.WAITING
-
-    def recompute_remote_kv(self, request_id: str) -> None:
-        """The remote KV of a WAITING_FOR_REMOTE_KV request will not come: it is prefilled here instead.
-
-        Call only once nothing writes its blocks any more. Changes: frees the request's blocks (none
-        of them was hashed: unwritten blocks never are, hits are shared), status WAITING with no
-        computed tokens (it keeps its place in the waiting queue).
-        Raises:
-            KeyError: no such request waits for remote KV.
-        """
-        self.remote_kv_tokens.pop(request_id)
-        request = self.requests[request_id]
-        self.kv_cache_manager.free(request)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.WAITING
 
     def _validate_new(self, request: Request) -> None:
         rid, num_prompt = request.request_id, request.num_prompt_tokens
@@ -272,23 +205,16 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         return out
 
-    def _chunk_size(self, request: Request, start: int, budget: int) -> int:
-        """Tokens to compute from position ``start``: the rest, capped by chunk cap, budget and context."""
-        n = request.num_tokens - start
-        if self.config.long_prefill_token_threshold > 0:
-            n = min(n, self.config.long_prefill_token_threshold)
-        return min(n, budget, self.max_model_len - start)
-
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, int]:
         num_preempted = 0
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n, num_spec = self._plan_tokens(request, request.num_computed_tokens, budget)
+            n, num_spec = self.planner.plan_tokens(request, request.num_computed_tokens, budget)
             if n <= 0:
                 i += 1
                 continue
-            num_slots = n + self._num_lookahead(request, request.num_computed_tokens, n)
+            num_slots = n + self.planner.num_lookahead(request, request.num_computed_tokens, n)
             block_ids = self.kv_cache_manager.allocate_slots(request, num_slots)
             while block_ids is None:
                 # NOTE: the newest request is always behind i, so it was not scheduled this step.
@@ -300,7 +226,7 @@ class Scheduler:
                 block_ids = self.kv_cache_manager.allocate_slots(request, num_slots)
             if block_ids is None:
                 break
-            out.scheduled.append(self._row(request, n, block_ids, num_spec))
+            out.scheduled.append(make_row(request, n, block_ids, num_spec))
             budget -= n
             i += 1
         return budget, num_preempted
@@ -336,8 +262,8 @@ class Scheduler:
         else:
             hit_ids, num_hit = kv.get_computed_blocks(request)
             start = num_hit
-        n = self._chunk_size(request, start, budget)
-        num_slots = n + self._num_lookahead(request, start, n)
+        n = self.planner.chunk_size(request, start, budget)
+        num_slots = n + self.planner.num_lookahead(request, start, n)
         block_ids = kv.allocate_slots(request, num_slots, hit_ids, num_hit)
         if block_ids is None:
             return 0
@@ -353,45 +279,8 @@ class Scheduler:
         request.num_computed_tokens = start
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        out.scheduled.append(self._row(request, n, block_ids))
+        out.scheduled.append(make_row(request, n, block_ids))
         return n
-
-    def _plan_tokens(self, request: Request, start: int, budget: int) -> tuple[int, int]:
-        """(tokens to compute from ``start``, of which draft tokens) for a running request.
-
-        Drafts ride along only when the chunk reaches the last known token, and only as many as fit
-        the budget, the chunk cap, ``max_tokens`` and the context: accepting s drafts yields s + 1
-        tokens, so at most ``max_tokens - num_output_tokens - 1`` drafts can be of use.
-        """
-        n = self._chunk_size(request, start, budget)
-        if n <= 0 or not request.spec_token_ids or start + n < request.num_tokens:
-            return n, 0
-        room = [len(request.spec_token_ids), budget - n,
-                request.max_tokens - request.num_output_tokens - 1,
-                self.max_model_len - request.num_tokens - 1]
-        if self.config.long_prefill_token_threshold > 0:
-            room.append(self.config.long_prefill_token_threshold - n)
-        num_spec = max(0, min(room))
-        return n + num_spec, num_spec
-
-    def _num_lookahead(self, request: Request, start: int, n: int) -> int:
-        """Extra slots a draft model needs after a row that samples (its proposals' K/V), within the context."""
-        if not self.num_lookahead_tokens or not request.sampling_params.speculative or start + n < request.num_tokens:
-            return 0
-        return max(0, min(self.num_lookahead_tokens, self.max_model_len - start - n))
-
-    def _row(self, request: Request, n: int, block_ids: list[int], num_spec: int = 0) -> ScheduledRequest:
-        start = request.num_computed_tokens
-        num_real = n - num_spec
-        token_ids = request.token_ids_slice(start, start + num_real) + request.spec_token_ids[:num_spec]
-        return ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=token_ids,
-            num_computed_tokens=start,
-            block_ids=block_ids,
-            sample=start + num_real == request.num_tokens,
-            num_spec_tokens=num_spec,
-        )
 
     # ---- update -------------------------------------------------------------------------------
 

@@ -22,9 +22,10 @@ TINY_VOCAB = 128
 NUM_NEW = 32
 
 
-def make_runner(model_dir: Path, block_size: int = 4, num_blocks: int = 64, backend=None) -> ModelRunner:  # noqa: ANN001
+def make_runner(model_dir: Path, block_size: int = 4, num_blocks: int = 64, backend=None,  # noqa: ANN001
+                dtype: str = "float32") -> ModelRunner:
     config = EngineConfig(
-        model=ModelConfig(model=str(model_dir), dtype="float32"),
+        model=ModelConfig(model=str(model_dir), dtype=dtype),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
         num_threads=1,
     )

@@ -113,6 +113,26 @@ def test_engine_with_prefix_cache_hit(phi3_pair) -> None:
     assert core.scheduler.kv_cache_usage == 0.0
 
 
+def test_partial_rotary_with_longrope(tiny_checkpoint_factory) -> None:
+    """Phi-4-mini's ``partial_rotary_factor`` (0.5 here: 8 of 16 dims rotate) with longrope."""
+    from transformers import AutoModelForCausalLM
+
+    from tandem.models.hf_config import load_hf_config
+
+    model_dir = tiny_checkpoint_factory("phi3_partial")
+    assert load_hf_config(model_dir).rope.partial_rotary_factor == 0.5
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    runner = make_runner(model_dir, num_blocks=96)
+    for length in (45, 20):
+        prompt = _prompt(length, seed=length + 2)
+        with torch.no_grad():
+            ref = hf_model(torch.tensor([prompt])).logits[0].float()
+        assert rel_err(runner.prompt_logits(prompt, chunk_size=4), ref) < REL_TOL, length
+    prompts = [_prompt(n, seed=n) for n in (5, 36, 9, 40)]
+    expected = [hf_stepwise_greedy(hf_model, p, 16) for p in prompts]
+    assert run_greedy(runner, prompts, 16, chunk=3, stagger=1) == expected
+
+
 def test_phi3_config_errors(tmp_path, tiny_checkpoint_factory) -> None:
     import json
     import shutil
@@ -127,9 +147,9 @@ def test_phi3_config_errors(tmp_path, tiny_checkpoint_factory) -> None:
     with pytest.raises(CheckpointError, match="short_factor / long_factor need 8 values each, got 8 / 5"):
         load_hf_config(model_dir)
     cfg["rope_scaling"]["long_factor"] = cfg["rope_scaling"]["short_factor"]
-    cfg["partial_rotary_factor"] = 0.75
+    cfg["partial_rotary_factor"] = 0.5  # now 4 factors each are expected
     (model_dir / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="partial_rotary_factor 0.75 is not supported"):
+    with pytest.raises(CheckpointError, match="need 4 values each, got 8 / 8"):
         load_hf_config(model_dir)
 
 

@@ -65,12 +65,14 @@ def test_steps_promote_after_their_hold_and_gates_roll_back():
     gates = GateConfig(window_s=30, min_requests=3, max_error_rate=0.3)
     c = CanaryController(canary, gates, True, clock)
     assert c.weight == 0.1
-    clock.now = 10
+    for t in (4, 6):
+        c.record(Outcome(t, "candidate", True, 0.01, 0.01))
+    clock.now = 10  # the hold is over and the step saw min_requests candidate requests
     c.record(Outcome(10, "candidate", True, 0.01, 0.01))
     assert (c.step_index, c.weight, c.promotions) == (1, 0.5, 1)
     for t in (11, 12):
         c.record(Outcome(t, "candidate", False))
-    assert c.rolled_back and c.weight == 0.0 and "error rate 66.7% > 30.0%" in c.rollback_reason
+    assert c.rolled_back and c.weight == 0.0 and "error rate 40.0% > 30.0%" in c.rollback_reason
     clock.now = 100
     c.record(Outcome(100, "candidate", True))
     assert c.weight == 0.0 and c.choose("anyone") == "primary"  # a rollback is final

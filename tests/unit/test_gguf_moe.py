@@ -133,15 +133,22 @@ def test_moe_gguf_round_trip_matches_transformers(tmp_path, bpe, name):  # noqa:
     assert rel_err(ours, ref) < 1e-4, name
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0])
-def test_quantized_experts_dequantize_exactly(tmp_path, bpe, qtype):  # noqa: F811
+@pytest.mark.parametrize(("qtype", "fmt"), [(Q.Q8_0, "q8_0"), (Q.Q4_0, "int4")])
+def test_q8_0_and_q4_0_experts_keep_their_codes(tmp_path, bpe, qtype, fmt):  # noqa: F811
+    """Q8_0 / Q4_0 merged experts stay codes (``QuantizedExperts``, run by kernels.moe_q8_0 / moe_int4 in bf16)
+    that dequantize to exactly gguf-py's values; float32 logits match the model holding those values."""
+    from tandem.models.moe_quant import QuantizedExperts
+    from tandem.models.quant import dequantize_weight
+
     name = "qwen3_moe"
     model = hf_model(name)
     stored = write_moe_gguf(tmp_path / "m.gguf", name, model, bpe, expert_type=qtype)
     out = convert_gguf(tmp_path / "m.gguf", tmp_path / "hf", progress=False)
     with safe_open(out / "model.safetensors", "pt") as f:
+        assert "model.layers.0.mlp.experts.gate_proj" not in f.keys()
         for proj in ("gate", "up", "down"):
-            got = f.get_tensor(f"model.layers.0.mlp.experts.{proj}_proj").numpy()
+            codes, scales = (f.get_tensor(f"model.layers.0.mlp.experts.{proj}_proj.{p}") for p in ("qweight", "scale"))
+            got = np.stack([dequantize_weight(fmt, c, s).numpy() for c, s in zip(codes, scales, strict=True)])
             assert np.array_equal(got, stored[f"blk.0.ffn_{proj}_exps.weight"]), proj
     # the reference: the float model with its experts replaced by the dequantized blocks
     with torch.no_grad():
@@ -151,7 +158,16 @@ def test_quantized_experts_dequantize_exactly(tmp_path, bpe, qtype):  # noqa: F8
             layer.mlp.experts.down_proj.copy_(down)
         prompt = list(range(3, 20))
         ref = model(torch.tensor([prompt])).logits[0]
-    assert rel_err(make_runner(out).prompt_logits(prompt), ref) < 1e-4
+    runner = make_runner(out)
+    assert [m.method for m in runner.model.modules() if isinstance(m, QuantizedExperts)] == [fmt] * 2
+    assert rel_err(runner.prompt_logits(prompt), ref) < 1e-4
+    bf16 = make_runner(out, dtype="bfloat16")  # the fused kernel on the file's codes
+    plain = make_runner(convert_gguf(tmp_path / "m.gguf", tmp_path / "hf-f32", progress=False, keep_quantized=False),
+                        dtype="bfloat16")  # the same values as bf16 experts (kernels.moe_bf16)
+    ours, theirs = bf16.prompt_logits(prompt), plain.prompt_logits(prompt)
+    # NOTE: bf16 itself is 1-6% off float32 here (Q4_0's values are not bf16 numbers); the int8 activations of
+    # the quantized kernel add about 1% on top
+    assert rel_err(ours, theirs) < 2**-5 and rel_err(ours, ref) < 0.1
 
 
 def test_olmoe_gguf_is_refused_by_name(tmp_path, bpe):  # noqa: F811

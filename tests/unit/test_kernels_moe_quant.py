@@ -1,5 +1,6 @@
-"""The fused MoE kernel with int8 / int4 experts (``kernels.moe_int8`` / ``moe_int4``) against an independent
-float64 reference of the dequantized experts, for batch invariance, and wired into a model by ``quantize_model``.
+"""The fused MoE kernel with int8 / int4 / q8_0 experts (``kernels.moe_int8`` / ``moe_int4`` / ``moe_q8_0``)
+against an independent float64 reference of the dequantized experts, for batch invariance, and wired into a
+model by ``quantize_model``. q8_0 experts are random GGUF codes (any int8, fp16 scale per group of 32).
 
 Bounds: the kernel quantizes the routed tokens and the intermediate activations to int8 per block of 32
 (llama.cpp's q8_0 activations, as ``linear_int8`` / ``linear_int4`` do). ``_float64`` with
@@ -29,6 +30,10 @@ E, H, I, K = 8, 96, 64, 2  # int4 needs multiples of 32
 
 def _experts(method: str, seed: int, h: int = H, i: int = I) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
+    if method == "q8_0":  # a GGUF's codes: any int8, fp16 scale per group of 32
+        return tuple(t for n, k in ((2 * i, h), (h, i)) for t in (
+            torch.randint(-128, 128, (E, n, k), dtype=torch.int8, generator=g),
+            (torch.rand(E, n, k // 32, generator=g) * 0.002 + 0.0005).half()))
     w13 = torch.randn(E, 2 * i, h, generator=g) * 0.2
     w2 = torch.randn(E, h, i, generator=g) * 0.2
     return (*quantize_stack(w13, method), *quantize_stack(w2, method))
@@ -69,10 +74,10 @@ def _float64(method: str, x, tensors, weights, ids, quantized_acts: bool) -> tor
 
 
 def _kernel(method: str):
-    return kernels.moe_int8 if method == "int8" else kernels.moe_int4
+    return getattr(kernels, f"moe_{method}")
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "q8_0"])
 @pytest.mark.parametrize("t", [1, 2, 3, 8, 17, 40])
 def test_matches_float64_reference_of_the_dequantized_experts(method: str, t: int) -> None:
     tensors = _experts(method, seed=0)
@@ -96,7 +101,7 @@ def test_int8_sizes_that_are_not_multiples_of_32() -> None:
     torch.testing.assert_close(got.double(), _float64("int8", x, tensors, weights, ids, True), rtol=2**-7, atol=3e-2)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "q8_0"])
 def test_idle_experts_are_never_read_and_one_expert_gets_every_token(method: str) -> None:
     tensors = _experts(method, seed=3)
     t = 24
@@ -110,7 +115,7 @@ def test_idle_experts_are_never_read_and_one_expert_gets_every_token(method: str
     torch.testing.assert_close(got.double(), ref, rtol=2**-7, atol=3e-2)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "q8_0"])
 def test_batch_invariant_bit_for_bit(method: str) -> None:
     """Each token's output is the same alone and among 1..40 others (any grouping by expert)."""
     tensors = _experts(method, seed=4)

@@ -1,5 +1,6 @@
-// Fused mixture-of-experts feed-forward for weight-only int8 / int4 experts (AVX2 + FMA + F16C):
-// semantics in tandem/kernels/__init__.py (moe_int8, moe_int4) and tandem/models/moe_quant.py.
+// Fused mixture-of-experts feed-forward for weight-only int8 / int4 / q8_0 experts (AVX2 + FMA + F16C):
+// semantics in tandem/kernels/__init__.py (moe_int8, moe_int4, moe_q8_0) and tandem/models/moe_quant.py.
+// int4 is llama.cpp's Q4_0 and q8_0 its Q8_0 (group-32 int8, fp16 scales), so a GGUF's experts run as stored.
 //
 // The bf16 kernel's plan (moe.cpp) with the quantized linears' arithmetic (linear_quant.cpp, quant_tile.h):
 // assignments grouped by expert (moe_common.h), then
@@ -61,7 +62,8 @@ struct Experts {
     if (kind == Kind::kInt8)
       return {kind, q + e * N * K, nullptr, K, (K + 31) / 32, K, 0};
     const c10::Half* s = static_cast<const c10::Half*>(scale) + e * N * (K / 32);
-    return {kind, q + e * N * (K / 2), s, K, K / 32, K / 2, K / 32};
+    const int64_t ldq = kind == Kind::kQ8_0 ? K : K / 2;  // q8_0: int8 codes; int4: nibbles
+    return {kind, q + e * N * ldq, s, K, K / 32, ldq, K / 32};
   }
   const float* row_scale(int64_t e) const {
     return kind == Kind::kInt8 ? static_cast<const float*>(scale) + e * N : nullptr;
@@ -76,6 +78,13 @@ Experts experts(const at::Tensor& q, const at::Tensor& s, Kind kind, const char*
                     s.size(1) == N,
                 name, ": int8 experts need int8 codes [E, N, K] and fp32 scales [E, N]");
     return {kind, reinterpret_cast<const uint8_t*>(q.data_ptr<int8_t>()), s.data_ptr<float>(), N, q.size(2)};
+  }
+  if (kind == Kind::kQ8_0) {
+    const int64_t K = q.size(2);
+    TORCH_CHECK(q.scalar_type() == at::kChar && s.scalar_type() == at::kHalf && s.dim() == 3 && s.size(0) == E &&
+                    s.size(1) == N && K % 32 == 0 && s.size(2) == K / 32,
+                name, ": q8_0 experts need int8 codes [E, N, K] and fp16 scales [E, N, K / 32], K % 32 == 0");
+    return {kind, reinterpret_cast<const uint8_t*>(q.data_ptr<int8_t>()), s.data_ptr<at::Half>(), N, K};
   }
   const int64_t K = 2 * q.size(2);
   TORCH_CHECK(q.scalar_type() == at::kByte && s.scalar_type() == at::kHalf && s.dim() == 3 && s.size(0) == E &&
@@ -147,6 +156,13 @@ at::Tensor moe_int8(at::Tensor x, at::Tensor w13_q, at::Tensor w13_s, at::Tensor
   const Experts w13 = experts(w13_q, w13_s, Kind::kInt8, "moe_int8 w13"), w2 = experts(w2_q, w2_s, Kind::kInt8, "moe_int8 w2");
   TORCH_CHECK(w2_q.size(0) == w13_q.size(0), "moe_int8: w13 and w2 have different expert counts");
   return run<Kind::kInt8>(x, w13, w2, w13_q.size(0), weights, ids, "moe_int8");
+}
+
+at::Tensor moe_q8_0(at::Tensor x, at::Tensor w13_q, at::Tensor w13_s, at::Tensor w2_q, at::Tensor w2_s,
+                    at::Tensor weights, at::Tensor ids) {
+  const Experts w13 = experts(w13_q, w13_s, Kind::kQ8_0, "moe_q8_0 w13"), w2 = experts(w2_q, w2_s, Kind::kQ8_0, "moe_q8_0 w2");
+  TORCH_CHECK(w2_q.size(0) == w13_q.size(0), "moe_q8_0: w13 and w2 have different expert counts");
+  return run<Kind::kQ8_0>(x, w13, w2, w13_q.size(0), weights, ids, "moe_q8_0");
 }
 
 at::Tensor moe_int4(at::Tensor x, at::Tensor w13_q, at::Tensor w13_s, at::Tensor w2_q, at::Tensor w2_s,

@@ -46,6 +46,8 @@ at::Tensor moe_int8(at::Tensor x, at::Tensor w13_q, at::Tensor w13_s, at::Tensor
                     at::Tensor weights, at::Tensor ids);
 at::Tensor moe_int4(at::Tensor x, at::Tensor w13_q, at::Tensor w13_s, at::Tensor w2_q, at::Tensor w2_s,
                     at::Tensor weights, at::Tensor ids);
+at::Tensor moe_q8_0(at::Tensor x, at::Tensor w13_q, at::Tensor w13_s, at::Tensor w2_q, at::Tensor w2_s,
+                    at::Tensor weights, at::Tensor ids);
 
 // ../decoder_layer.cpp (ISA-independent: calls the functions above)
 std::tuple<at::Tensor, at::Tensor> decoder_layer(

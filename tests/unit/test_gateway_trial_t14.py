@@ -1,0 +1,106 @@
+"""Regressions from the second fresh-user trial of the migration toolkit (issue 14), without a model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+
+from tandem.gateway.capture import StreamTap
+from tandem.gateway.config import BackendConfig, CanaryConfig, CanaryStep, GateConfig, GatewayConfig
+from tandem.gateway.proxy import Gateway
+from tandem.gateway.rewrite import AnswerFilter, rewrite_request
+from tandem.gateway.upstream import open_attempt
+
+USAGE = {"prompt_tokens": 41, "completion_tokens": 2, "total_tokens": 43}
+
+
+def _sse_backend(request: httpx.Request) -> httpx.Response:
+    chunks = [{"id": "c", "object": "chat.completion.chunk", "model": "m",
+               "choices": [{"index": 0, "delta": {"content": w}, "finish_reason": None}]} for w in ("Once", " upon")]
+    chunks.append({"id": "c", "object": "chat.completion.chunk", "model": "m", "choices": [], "usage": USAGE})
+    events = [f"data: {json.dumps(c)}\n\n".encode() for c in chunks] + [b"data: [DONE]\n\n"]
+    return httpx.Response(200, stream=_Events(events), headers={"content-type": "text/event-stream"})
+
+
+class _Events(httpx.AsyncByteStream):
+    """A streamed body, one SSE event per chunk (as a server flushes them)."""
+
+    def __init__(self, events: list[bytes]) -> None:
+        self.events = events
+
+    async def __aiter__(self):
+        for event in self.events:
+            yield event
+
+
+def test_a_stream_the_client_closes_right_after_done_is_counted_once():
+    """The openai client closes its connection as soon as it reads `[DONE]`; the relay generator is
+    then closed at its last `yield`. The trial saw about 1 stream in 15 missing from the usage
+    totals, the request counters, the breaker and the canary window."""
+
+    async def run() -> Gateway:
+        gw = Gateway(GatewayConfig(primary=BackendConfig("primary", "http://p")))
+        gw.client = httpx.AsyncClient(transport=httpx.MockTransport(_sse_backend))
+        body = b'{"model": "m", "messages": [], "stream": true, "stream_options": {"include_usage": true}}'
+        backend = gw.backends["primary"]
+        rewrite = rewrite_request(backend, body, json.loads(body), True)
+        opened = await open_attempt(gw.client, backend, "POST", "v1/chat/completions", "", {}, rewrite.body, 5.0)
+        relay = gw._stream("primary", opened, AnswerFilter(rewrite), StreamTap(0.0, False), True, None)
+        seen = b""
+        async for piece in relay:
+            seen += piece
+            if b"[DONE]" in seen:
+                break
+        await relay.aclose()  # NOTE: what the server does when the client has gone away
+        await gw.client.aclose()
+        return gw
+
+    gw = asyncio.run(run())
+    assert (gw.totals["prompt_tokens"], gw.totals["completion_tokens"]) == (41, 2)
+    assert gw.metrics.requests.labels("primary", "ok")._value.get() == 1.0
+    assert gw.canary.window_stats()["primary"]["requests"] == 1
+
+
+def test_a_stream_the_client_leaves_before_done_is_not_counted_as_a_failure():
+    async def run() -> Gateway:
+        gw = Gateway(GatewayConfig(primary=BackendConfig("primary", "http://p")))
+        gw.client = httpx.AsyncClient(transport=httpx.MockTransport(_sse_backend))
+        backend = gw.backends["primary"]
+        rewrite = rewrite_request(backend, b'{"stream": true}', {"stream": True}, True)
+        opened = await open_attempt(gw.client, backend, "POST", "v1/chat/completions", "", {}, rewrite.body, 5.0)
+        relay = gw._stream("primary", opened, AnswerFilter(rewrite), StreamTap(0.0, False), True, None)
+        await anext(relay)
+        await relay.aclose()
+        await gw.client.aclose()
+        return gw
+
+    gw = asyncio.run(run())
+    assert gw.totals["completion_tokens"] == 0 and gw.breakers["primary"].state == "closed"
+    assert gw.canary.window_stats()["primary"]["requests"] == 0
+
+
+def test_a_step_whose_hold_passed_without_traffic_does_not_promote():
+    """The trial's case: `--canary-steps 0.2:3,0.6:3,1:0` on an idle gateway was at weight 1 after
+    its first 20 requests, the candidate judged on almost nothing."""
+    from tandem.gateway.canary import CanaryController, Outcome
+
+    now = [0.0]
+    steps = (CanaryStep(0.2, 3), CanaryStep(0.6, 3), CanaryStep(1.0, 0))
+    gates = GateConfig(min_requests=3, min_comparisons=4)
+    c = CanaryController(CanaryConfig(steps=steps), gates, True, lambda: now[0])
+    now[0] = 100.0  # long past the hold, nothing seen
+    c.record(Outcome(100.0, "primary", True))
+    c.record(Outcome(100.0, "candidate", True))
+    assert (c.step_index, c.weight) == (0, 0.2)
+    c.record(Outcome(100.5, "candidate", True))
+    now[0] = 101.0
+    c.record(Outcome(101.0, "candidate", True))  # the third candidate request in the step
+    assert (c.step_index, c.weight, c.promotions) == (1, 0.6, 1)
+    now[0] = 104.5  # the next hold is over, but its step has seen no candidate request yet
+    c.record(Outcome(104.5, "primary", True))
+    assert (c.step_index, c.weight) == (1, 0.6)
+    for _ in range(4):  # shadow comparisons count as evidence too (a weight-0 step only shadows)
+        c.record_comparison(False)
+    assert (c.step_index, c.weight, c.promotions) == (2, 1.0, 2)
