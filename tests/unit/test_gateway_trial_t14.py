@@ -104,3 +104,21 @@ def test_a_step_whose_hold_passed_without_traffic_does_not_promote():
     for _ in range(4):  # shadow comparisons count as evidence too (a weight-0 step only shadows)
         c.record_comparison(False)
     assert (c.step_index, c.weight, c.promotions) == (2, 1.0, 2)
+
+
+def test_utf8_check_spares_a_character_cut_by_max_tokens():
+    """The trial's Tandem-vs-llama.cpp report failed Tandem's `unicode` and `json_schema` answers
+    for a U+FFFD that only closed a text cut at max_tokens inside a multi-byte character."""
+    from tandem.gateway.capture import capture_body
+    from tandem.gateway.compare_run import side_checks
+    from tandem.gateway.regression import Case
+
+    def answer(text: str, finish: str):
+        body = {"choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+        return capture_body(200, json.dumps(body).encode(), 0.0)
+
+    case = Case("unicode", "completions", {"prompt": "x"})
+    assert side_checks(case, answer("\n\n\U0001F680\n\n\ufffd", "length"), {}) == []
+    broken = ["text holds U+FFFD (a broken UTF-8 sequence)"]
+    assert side_checks(case, answer("caf\ufffd au lait", "length"), {}) == broken
+    assert side_checks(case, answer("caf\ufffd", "stop"), {}) == broken
