@@ -122,3 +122,23 @@ def test_utf8_check_spares_a_character_cut_by_max_tokens():
     broken = ["text holds U+FFFD (a broken UTF-8 sequence)"]
     assert side_checks(case, answer("caf\ufffd au lait", "length"), {}) == broken
     assert side_checks(case, answer("caf\ufffd", "stop"), {}) == broken
+
+
+def test_the_gateways_own_404_and_405_are_openai_error_json():
+    """The trial: `POST /tokenize` through the gateway answered FastAPI's `{"detail": "Not Found"}`,
+    and `/v1/models/` a bare 307 redirect."""
+    from fastapi.testclient import TestClient
+
+    from tandem.gateway.app import build_gateway_app
+
+    app = build_gateway_app(GatewayConfig(primary=BackendConfig("primary", "http://127.0.0.1:9")))
+    with TestClient(app) as client:
+        r = client.post("/tokenize", json={"prompt": "x"})
+        assert r.status_code == 404
+        assert r.json() == {"error": {"message": "Not Found", "type": "not_found_error", "param": None,
+                                      "code": None}}
+        r = client.post("/gateway/status")
+        assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+        assert r.headers["allow"] == "GET"
+        r = client.get("/health/", follow_redirects=False)
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
