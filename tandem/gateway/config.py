@@ -23,6 +23,11 @@ def redact_text(text: str) -> str:
     return _USERINFO.sub("***@", text)
 
 
+def strip_userinfo(url: str) -> str:
+    """`url` without its userinfo (`user:password@`): the origin a backend's answers name."""
+    return _USERINFO.sub("", url)
+
+
 def _fraction(name: str, value: float) -> None:
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {value}")

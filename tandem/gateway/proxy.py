@@ -242,7 +242,7 @@ class Gateway:
                      start: float) -> Response:
         """The client's response from an opened backend answer; `answer` undoes the request's rewrite
         (the capture, for usage and the comparator, sees the backend's own bytes)."""
-        status, headers = opened.response.status_code, opened.client_headers(name)
+        status, headers = opened.response.status_code, opened.client_headers(self.backends[name])
         if not opened.is_sse:
             try:
                 raw = opened.first + b"".join([chunk async for chunk in opened.rest])

@@ -142,3 +142,20 @@ def test_the_gateways_own_404_and_405_are_openai_error_json():
         assert r.headers["allow"] == "GET"
         r = client.get("/health/", follow_redirects=False)
         assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_a_backend_redirect_to_itself_is_made_relative():
+    """The trial: `POST /v1/chat/completions/` through the gateway answered Tandem's 307 with
+    `location: http://127.0.0.1:18201/v1/chat/completions`, the primary's own address."""
+    from tandem.gateway.upstream import Opened
+
+    def answer(location: str) -> Opened:
+        return Opened(httpx.Response(307, headers={"location": location}), b"", None)
+
+    backend = BackendConfig("primary", "http://u:pw@10.0.0.5:8000/v1")
+    headers = answer("http://10.0.0.5:8000/v1/chat/completions").client_headers(backend)
+    assert headers["location"] == "/v1/chat/completions" and headers["x-tandem-backend"] == "primary"
+    assert answer("http://10.0.0.5:8000").client_headers(backend)["location"] == "/"
+    # elsewhere (another host, or a port that only starts alike) is left as it is
+    assert answer("https://login.example/x").client_headers(backend)["location"] == "https://login.example/x"
+    assert answer("http://10.0.0.5:80001/x").client_headers(backend)["location"] == "http://10.0.0.5:80001/x"
