@@ -79,6 +79,8 @@ def not_run_reason(case: Case, cap_a: Capture, cap_b: Capture) -> str | None:
     """Why a case did not run on either side (both failed and no error status was expected), or None."""
     if case.expect_status is not None or cap_a.ok or cap_b.ok:
         return None
+    if case.refusal_ok and all(c.status is not None and 400 <= c.status < 500 for c in (cap_a, cap_b)):
+        return None
     return f"A: {error_of(cap_a)}; B: {error_of(cap_b)}"
 
 

@@ -159,3 +159,17 @@ def test_a_backend_redirect_to_itself_is_made_relative():
     # elsewhere (another host, or a port that only starts alike) is left as it is
     assert answer("https://login.example/x").client_headers(backend)["location"] == "https://login.example/x"
     assert answer("http://10.0.0.5:80001/x").client_headers(backend)["location"] == "http://10.0.0.5:80001/x"
+
+
+def test_two_refusals_of_empty_input_are_a_comparison_not_a_case_not_run():
+    """The trial: `tandem compare` between two Tandem servers exited 1, its `empty_prompt` case
+    "not run on either side" because both refused the empty prompt with the same 400."""
+    from tandem.gateway.capture import capture_body
+    from tandem.gateway.compare_run import not_run_reason
+    from tandem.gateway.regression import builtin_cases
+
+    case = next(c for c in builtin_cases(512, 4.0) if c.name == "empty_prompt")
+    refused = capture_body(400, b'{"error": {"message": "the prompt is empty", "type": "invalid_request_error"}}', 0)
+    assert not_run_reason(case, refused, refused) is None
+    crashed = capture_body(500, b'{"error": {"message": "", "type": "internal_server_error"}}', 0)
+    assert not_run_reason(case, refused, crashed).startswith("A: HTTP 400: the prompt is empty; B: HTTP 500")
