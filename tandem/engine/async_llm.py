@@ -3,7 +3,7 @@
 Tokenization and chat templates run in one tokenizer thread, detokenization (``OutputProcessor``)
 in one detokenizer thread with its own tokenizer copy: the event loop only moves messages. The core
 process only sees token ids. Each accepted prompt has a one-slot ``OutputCollector`` filled by one
-background task that reads the core's output socket. When the core dies, every in-flight request
+background task that reads the core's output socket (``output_loop.py``). When the core dies, every in-flight request
 gets ``EngineDeadError`` at once and ``CoreSupervisor`` restarts the core (or, in a crash loop, the
 server answers 503 for good).
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -25,8 +24,9 @@ from typing import Any, TypeVar
 
 from tandem.config import EngineConfig
 from tandem.engine.core_client import EngineCoreClient
-from tandem.engine.core_proc import AddResult, CoreFailed, CoreStats, StepFailed, StepOutputs
+from tandem.engine.core_messages import CoreStats
 from tandem.engine.loading import Frontend, load_chat_template, load_frontend
+from tandem.engine.output_loop import QUEUE_FULL_RETRY_AFTER_S, OutputLoopMixin
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.request_log import EngineMetrics, RequestLog
 from tandem.engine.request_stream import ChildState, OutputCollector, PromptState, RequestStream
@@ -38,12 +38,10 @@ from tandem.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineRequestError", "RequestStream"]
 
-logger = logging.getLogger(__name__)
 T = TypeVar("T")
-QUEUE_FULL_RETRY_AFTER_S = 1.0
 
 
-class AsyncLLM:
+class AsyncLLM(OutputLoopMixin):
     """Serves prompts through an engine core running in another process.
 
     Args:
@@ -304,91 +302,6 @@ class AsyncLLM:
         for cid in state.child_ids:
             self._children.pop(cid, None)
         self._detok_thread.submit(self.output_processor.abort_request, state.request_id)
-
-    # ---- the output loop ----
-    def _start_output_loop(self, client: EngineCoreClient) -> None:
-        self.max_model_len = client.max_model_len
-        self._loop_task = asyncio.get_running_loop().create_task(self._output_loop(client),
-                                                                 name="tandem-output-loop")
-
-    async def _output_loop(self, client: EngineCoreClient) -> None:
-        try:
-            while True:
-                message = await client.get_output()
-                if isinstance(message, StepOutputs):
-                    await self._on_step(client, message)
-                elif isinstance(message, AddResult):
-                    self._on_add_result(message)
-                elif isinstance(message, StepFailed):
-                    self._on_step_failed(message)
-                elif isinstance(message, CoreFailed):
-                    self.supervisor.core_died(client, f"the engine core failed: {message.message.splitlines()[0]}")
-                    return
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            # NOTE: a bug here must not leave anyone hanging: the core is treated as dead (its requests
-            # fail, it is restarted), since no one reads its outputs any more.
-            logger.exception("output loop failed")
-            self.supervisor.core_died(client, f"the engine front end failed: {type(e).__name__}: {e}")
-
-    def _on_add_result(self, result: AddResult) -> None:
-        state = self._parents.get(result.parent_id)
-        if state is None or state.accepted.done():
-            return  # NOTE: the caller gave up while waiting; its abort message follows in order.
-        if result.status != 200:
-            error = DuplicateRequestError(result.parent_id, f"request id {result.parent_id!r} is already in use") \
-                if result.code == "duplicate_request_id" \
-                else EngineRequestError(result.status, result.message, QUEUE_FULL_RETRY_AFTER_S, result.code or None)
-            state.accepted.set_exception(error)
-            return
-        n = len(state.child_ids)
-        for index, child_id in enumerate(state.child_ids):
-            self._children[child_id] = ChildState(state, index)
-            self._detok_thread.submit(
-                self.output_processor.add_request, child_id, state.request_id, index, n, state.prompt,
-                state.prompt_token_ids, state.params, output_kind=state.output_kind)
-        state.accepted.set_result(None)
-
-    async def _on_step(self, client: EngineCoreClient, message: StepOutputs) -> None:
-        self.last_stats = message.stats
-        self.log.step(message)
-        if message.kv_events is not None and self.on_kv_events is not None:
-            self.on_kv_events(message.kv_events)
-        now = time.monotonic()
-        known = [o for o in message.outputs if o.request_id in self._children]
-        for out in known:
-            self.log.tokens(self._children[out.request_id], out, now)
-        if not known:
-            return
-        processed = await asyncio.get_running_loop().run_in_executor(
-            self._detok_thread, self.output_processor.process_outputs, known)
-        if processed.reqs_to_abort and client is self.client:
-            client.abort_requests(list(processed.reqs_to_abort))
-        for request_output in processed.request_outputs:
-            state = self._parents.get(request_output.request_id)
-            if state is None:
-                continue  # NOTE: aborted while its text was being detokenized
-            for cid in self.log.finished_children(state, request_output, now):
-                self._children.pop(cid, None)
-            state.collector.put(request_output)
-            if request_output.finished:
-                state.done = True
-                self._parents.pop(state.request_id, None)
-                self.log.finished(state)
-
-    def _on_step_failed(self, message: StepFailed) -> None:
-        """Ends the prompts of a failed (rolled-back) step with a 500, or of a failed KV transfer with
-        its status (503); the core serves on."""
-        text = message.message.splitlines()[0]
-        error = EngineRequestError(500, f"the engine step failed: {text}") if message.status == 500 \
-            else EngineRequestError(message.status, text, QUEUE_FULL_RETRY_AFTER_S)
-        for parent_id in {self._children[c].parent.request_id for c in message.request_ids if c in self._children}:
-            state = self._parents[parent_id]
-            self.client.abort_requests(state.live_child_ids)  # NOTE: its other children may still run
-            state.collector.put(error)
-            self._drop(state)
-            self.log.aborted(state)
 
     # ---- death and shutdown ----
     def _record_restart(self) -> None:
