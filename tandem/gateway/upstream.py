@@ -147,5 +147,6 @@ def sse_error_event(message: str, code: str = "backend_stream_broken") -> bytes:
 
 def error_json(status: int, message: str, code: str) -> dict[str, Any]:
     """An OpenAI error body from the gateway itself."""
-    kind = {401: "authentication_error", 400: "invalid_request_error"}.get(status, "server_error")
+    kind = {401: "authentication_error", 400: "invalid_request_error", 413: "invalid_request_error"}.get(
+        status, "server_error")
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}

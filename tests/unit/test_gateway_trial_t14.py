@@ -173,3 +173,27 @@ def test_two_refusals_of_empty_input_are_a_comparison_not_a_case_not_run():
     assert not_run_reason(case, refused, refused) is None
     crashed = capture_body(500, b'{"error": {"message": "", "type": "internal_server_error"}}', 0)
     assert not_run_reason(case, refused, crashed).startswith("A: HTTP 400: the prompt is empty; B: HTTP 500")
+
+
+def test_a_body_over_the_limit_is_a_413_before_any_backend_is_asked():
+    """The trial: a 150 MB completions body went through (the gateway grew to 890 MB resident)."""
+    from fastapi.testclient import TestClient
+
+    from tandem.gateway.app import build_gateway_app
+
+    config = GatewayConfig(primary=BackendConfig("primary", "http://127.0.0.1:9"), max_body_mib=0.001)
+    gw = Gateway(config)
+    with TestClient(build_gateway_app(config, gw)) as client:
+        big = json.dumps({"model": "m", "prompt": "x" * 2000}).encode()
+        r = client.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        assert r.json() == {"error": {"message": "the request body is larger than 0.001 MiB (--max-body-mib)",
+                                      "type": "invalid_request_error", "param": None, "code": "request_too_large"}}
+
+        def chunked():
+            yield big[:500]
+            yield big[500:]
+
+        r = client.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "content-length" not in r.request.headers  # read, not trusted
+    assert gw.totals["requests"] == 0  # refused before it was counted or sent
