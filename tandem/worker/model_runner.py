@@ -10,11 +10,8 @@ verified by ``spec_decode``; then the proposer drafts the next step's tokens.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import itertools
 import logging
-import platform
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -24,9 +21,7 @@ import torch
 from tandem.attention import AttentionBackend, AttentionMetadata, token_positions
 from tandem.config import ConfigError, EngineConfig
 from tandem.kernels import registry
-from tandem.kv_cache import transfer
 from tandem.kv_cache.hashing import salted_root
-from tandem.kv_cache.storage import bytes_per_block, check_kv_memory, kv_cache_shape
 from tandem.models.hf_config import HFModelConfig, load_hf_config
 from tandem.models.llama import KVCache
 from tandem.models.loader import DTYPES, load_model
@@ -39,6 +34,10 @@ from tandem.sampling_params import SamplingParams
 from tandem.spec_decode.rejection import VerifyResult
 from tandem.spec_decode.speculator import Speculator, build_proposer
 from tandem.worker.cpu_env import configure_threads
+from tandem.worker.malloc import keep_freed_memory
+from tandem.worker.runner_kv import RunnerKVCache
+
+__all__ = ["ModelRunner", "keep_freed_memory", "resolve_context_len"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,42 +60,13 @@ def resolve_context_len(requested: int | None, hf: HFModelConfig) -> int:
     return requested
 
 
-# glibc mallopt() parameters (malloc.h) and values: blocks up to 32 MiB (the documented maximum of
-# M_MMAP_THRESHOLD on 64-bit) come from the heap, whose free top is kept up to 1 GiB.
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD_BYTES = 32 << 20
-_TRIM_THRESHOLD_BYTES = 1 << 30
-
-
-def keep_freed_memory() -> bool:
-    """Make glibc malloc serve blocks up to 32 MiB from its heap and keep freed memory for reuse.
-
-    NOTE: a decode step allocates the same multi-MB tensors every time (logits ``[rows, vocab]``,
-    MLP activations); by default glibc serves them with fresh ``mmap``s and returns them on free, so
-    every step page-faults them in again (~4 ms of a 54 ms step at 16 sequences of a 151936-token
-    vocabulary). vLLM's CPU docs preload tcmalloc for the same reason. Process-wide and idempotent;
-    freed memory stays reserved by the process (up to the peak of a step) instead of going back to
-    the OS.
-
-    Returns:
-        True if the thresholds were set (glibc), False on other C libraries.
-    """
-    if platform.libc_ver()[0] != "glibc":
-        return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    mmap_set = libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
-    trim_set = libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES)
-    return bool(mmap_set and trim_set)
-
-
 def _load_tokenizer(model_dir: Path):  # noqa: ANN202 - a transformers tokenizer
     from transformers import AutoTokenizer  # NOTE: here: transformers takes seconds to import
 
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-class ModelRunner:
+class ModelRunner(RunnerKVCache):
     """Loads a checkpoint and runs steps over a paged KV cache.
 
     Args:
@@ -157,70 +127,6 @@ class ModelRunner:
         self.num_blocks = 0
         # NOTE: once the model loaded: a start-up that fails says only why (one line), not the kernel path.
         self.kernel_status = registry.log_status(logger)
-
-    def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        """Bytes one KV block of ``block_size`` tokens takes across all layers (K and V)."""
-        hf = self.hf_config
-        return bytes_per_block(block_size, hf.num_layers, hf.num_kv_heads, hf.head_dim, self.dtype_bytes)
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate zeroed per-layer ``k_cache, v_cache [num_blocks, block_size, KV, D]`` (model dtype),
-        and the draft model's cache on the same block ids.
-
-        Changes: replaces ``kv_caches`` and ``num_blocks`` (any cached K/V is dropped).
-
-        Raises:
-            ConfigError: target + draft caches (zero-filled, so all resident) exceed
-                ``storage.KV_MEMORY_FRACTION`` of the memory available now (``storage.check_kv_memory``).
-        """
-        draft_bytes = self.speculator.kv_cache_bytes_per_block() if self.speculator is not None else 0
-        needed = check_kv_memory(num_blocks, self.kv_cache_bytes_per_block(self.block_size) + draft_bytes)
-        self.kv_caches = self._allocate_kv(num_blocks)
-        self.num_blocks = num_blocks
-        if self.speculator is not None:
-            self.speculator.initialize_kv_cache(num_blocks)
-        logger.info("KV cache: %d blocks, %.3f GiB (target + draft)", num_blocks, needed / (1 << 30))
-
-    def kv_cache_groups(self) -> list[list[KVCache]]:
-        """The paged caches per model: the target's per-layer ``(k, v)``, then the draft model's (if
-        any), each ``[num_blocks, block_size, kv_heads, head_dim]``. The tensors themselves (a KV
-        transfer writes into them); changes nothing."""
-        caches = [self.kv_caches]
-        draft = self.speculator.draft if self.speculator is not None else None
-        if draft is not None:
-            caches.append(draft.kv_caches)
-        return caches
-
-    def read_kv_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
-        """Copies of the KV of ``block_ids``: the target's buffer, then the draft model's (if any).
-
-        Each buffer is ``[num_layers, 2 (K, V), len(block_ids), block_size, num_kv_heads, head_dim]``
-        of that model, in its cache dtype, contiguous (``kv_cache/transfer.py``). Changes nothing.
-        Raises:
-            ValueError: the KV cache is not initialized, or a block id is outside it.
-        """
-        return [transfer.read_blocks(caches, block_ids) for caches in self.kv_cache_groups()]
-
-    def write_kv_blocks(self, block_ids: list[int], buffers: list[torch.Tensor]) -> None:
-        """Writes buffers shaped as ``read_kv_blocks`` returns into ``block_ids`` (target, then draft).
-
-        Changes: those blocks' K/V in every layer of each cache.
-        Raises:
-            ValueError: not one buffer per cache, a shape mismatch, or a bad block id.
-        """
-        caches = self.kv_cache_groups()
-        if len(buffers) != len(caches):
-            raise ValueError(f"{len(buffers)} KV buffers for {len(caches)} caches (target, then draft)")
-        for cache, buffer in zip(caches, buffers, strict=True):
-            transfer.write_blocks(cache, block_ids, buffer)
-
-    def _allocate_kv(self, num_blocks: int) -> list[KVCache]:
-        hf = self.hf_config
-        shape = kv_cache_shape(num_blocks, self.block_size, hf.num_kv_heads, hf.head_dim)
-        return [
-            (torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype))
-            for _ in range(hf.num_layers)
-        ]
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: forward all scheduled tokens, sample one token for each row with ``sample``.
