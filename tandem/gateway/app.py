@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tandem
 from tandem.gateway.config import GatewayConfig
@@ -62,8 +63,15 @@ def build_gateway_app(config: GatewayConfig, gateway: Gateway | None = None) -> 
         finally:
             await gw.close()
 
-    app = FastAPI(title="Tandem gateway", version=tandem.__version__, lifespan=lifespan)
+    app = FastAPI(title="Tandem gateway", version=tandem.__version__, lifespan=lifespan, redirect_slashes=False)
     app.state.gateway = gw
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """The gateway's own 404 / 405 (a path outside /v1 and its pages) as OpenAI error JSON."""
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        body = {"error": {"message": str(exc.detail), "type": kind, "param": None, "code": None}}
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def proxy(path: str, request: Request) -> Response:

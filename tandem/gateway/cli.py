@@ -124,6 +124,7 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         config, primary=primary, candidate=candidate, canary=canary, **_sections_from_args(config, args),
         api_key=args.api_key if args.api_key is not None else config.api_key,
         host=args.host or config.host, port=args.port or config.port,
+        max_body_mib=args.max_body_mib if args.max_body_mib is not None else config.max_body_mib,
     )
 
 
@@ -173,6 +174,8 @@ def _add_gateway(sub: Any) -> None:
                        help=f"model names rewritten for the {side}")
     g.add_argument("--host", default=None, help="default 127.0.0.1")
     g.add_argument("--port", type=int, default=None, help="default 8100")
+    g.add_argument("--max-body-mib", type=float, default=None, metavar="MIB",
+                   help="largest request body accepted, larger is a 413 (default 32)")
     g.set_defaults(func=cmd_gateway)
 
 

@@ -79,6 +79,8 @@ def not_run_reason(case: Case, cap_a: Capture, cap_b: Capture) -> str | None:
     """Why a case did not run on either side (both failed and no error status was expected), or None."""
     if case.expect_status is not None or cap_a.ok or cap_b.ok:
         return None
+    if case.refusal_ok and all(c.status is not None and 400 <= c.status < 500 for c in (cap_a, cap_b)):
+        return None
     return f"A: {error_of(cap_a)}; B: {error_of(cap_b)}"
 
 
@@ -91,13 +93,20 @@ def summarize_capture(capture: Capture) -> dict[str, Any]:
             "done": a.done if a.stream else None, "ttft_s": capture.ttft_s, "latency_s": capture.latency_s}
 
 
+def _broken_utf8(text: str, finish: str | None) -> bool:
+    """True when `text` holds U+FFFD other than at the end of an answer cut by its token budget
+    (`finish_reason` "length" may end inside a multi-byte character; HF's decode, vLLM and Tandem
+    then end the text with U+FFFD)."""
+    return "\ufffd" in (text.rstrip("\ufffd") if finish == "length" else text)
+
+
 def side_checks(case: Case, capture: Capture, texts_by_case: dict[str, list[str]]) -> list[str]:
     """Failed per-side checks of one answer (empty when all pass)."""
     failed = []
     answer = answer_of(capture)
     if case.expect_status is not None and capture.status != case.expect_status:
         failed.append(f"expected HTTP {case.expect_status}, got {capture.status}")
-    if any("\ufffd" in t for t in answer.texts):
+    if any(_broken_utf8(t, f) for t, f in zip(answer.texts, answer.finish, strict=True)):
         failed.append("text holds U+FFFD (a broken UTF-8 sequence)")
     if case.same_text_as and capture.ok and case.same_text_as in texts_by_case:
         if answer.texts != texts_by_case[case.same_text_as]:

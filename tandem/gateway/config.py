@@ -23,6 +23,11 @@ def redact_text(text: str) -> str:
     return _USERINFO.sub("***@", text)
 
 
+def strip_userinfo(url: str) -> str:
+    """`url` without its userinfo (`user:password@`): the origin a backend's answers name."""
+    return _USERINFO.sub("", url)
+
+
 def _fraction(name: str, value: float) -> None:
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {value}")
@@ -159,13 +164,15 @@ class FallbackConfig:
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    """The whole gateway: two backends, the client key, and the policies above."""
+    """The whole gateway: two backends, the client key, and the policies above. max_body_mib: the
+    largest request body accepted (MiB; a larger one is a 413 before anything is sent on)."""
 
     primary: BackendConfig
     candidate: BackendConfig | None = None
     api_key: str | None = None
     host: str = "127.0.0.1"
     port: int = 8100
+    max_body_mib: float = 32.0
     canary: CanaryConfig = CanaryConfig()
     gates: GateConfig = GateConfig()
     shadow: ShadowConfig = ShadowConfig()
@@ -176,6 +183,7 @@ class GatewayConfig:
             raise ValueError("canary weight, canary steps and shadowing need a --candidate")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        _positive("max_body_mib", self.max_body_mib)
 
     def backends(self) -> list[BackendConfig]:
         return [self.primary] + ([self.candidate] if self.candidate else [])
@@ -235,16 +243,16 @@ def _backend(name: str, raw: Any) -> BackendConfig | None:
 
 def config_from_mapping(data: dict[str, Any]) -> GatewayConfig:
     """A GatewayConfig from a parsed YAML/JSON mapping with keys primary, candidate, api_key, host,
-    port, canary (weight, steps: [{weight, hold_s}], sticky_header), gates, shadow, fallback.
+    port, max_body_mib, canary (weight, steps: [{weight, hold_s}], sticky_header), gates, shadow, fallback.
 
     Raises ValueError naming the setting on an unknown key, a missing primary or a bad value.
     """
-    known = {"primary", "candidate", "api_key", "host", "port", "canary", "gates", "shadow", "fallback"}
+    known = {"primary", "candidate", "api_key", "host", "port", "max_body_mib", "canary", "gates", "shadow", "fallback"}
     _mapping(data, "gateway config", known)
     primary = _backend(PRIMARY, data.get("primary"))
     if primary is None:
         raise ValueError("gateway config: a primary backend is required")
-    for key, kind in (("api_key", "str | None"), ("host", "str"), ("port", "int")):
+    for key, kind in (("api_key", "str | None"), ("host", "str"), ("port", "int"), ("max_body_mib", "float")):
         if key in data:
             _check(key, kind, data[key])
     canary_raw = dict(_mapping(data.get("canary") or {}, "canary", {f.name for f in dataclasses.fields(CanaryConfig)}))
@@ -255,7 +263,7 @@ def config_from_mapping(data: dict[str, Any]) -> GatewayConfig:
     canary = _section(CanaryConfig, canary_raw, "canary")
     return GatewayConfig(
         primary=primary, candidate=_backend(CANDIDATE, data.get("candidate")), api_key=data.get("api_key"),
-        host=data.get("host", "127.0.0.1"), port=data.get("port", 8100),
+        host=data.get("host", "127.0.0.1"), port=data.get("port", 8100), max_body_mib=data.get("max_body_mib", 32.0),
         canary=dataclasses.replace(canary, steps=steps), gates=_section(GateConfig, data.get("gates"), "gates"),
         shadow=_section(ShadowConfig, data.get("shadow"), "shadow"),
         fallback=_section(FallbackConfig, data.get("fallback"), "fallback"),

@@ -49,6 +49,21 @@ async def _chain(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[byte
         yield chunk
 
 
+async def _read_body(request: Request, limit: int) -> bytes | None:
+    """The request body, or None once it is longer than `limit` bytes (by its Content-Length, or
+    while it is read: a chunked body is not buffered past the limit)."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        return None
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            return None
+        parts.append(part)
+    return b"".join(parts)
+
+
 class EventLog:
     """Numbered gateway events (rollback, promotion, breaker changes), the last 200 kept."""
 
@@ -156,7 +171,12 @@ class Gateway:
 
     async def handle(self, request: Request, path: str) -> Response:
         """Proxies one client request to `path` (under /v1) and returns the answer to relay."""
-        raw = await request.body()
+        limit = int(self.config.max_body_mib * 2**20)
+        raw = await _read_body(request, limit)
+        if raw is None:
+            message = f"the request body is larger than {self.config.max_body_mib:g} MiB (--max-body-mib)"
+            body = error_json(413, message, "request_too_large")
+            return JSONResponse(body, status_code=413)
         try:
             parsed: Any = json.loads(raw) if raw else None
         except ValueError:
@@ -242,7 +262,7 @@ class Gateway:
                      start: float) -> Response:
         """The client's response from an opened backend answer; `answer` undoes the request's rewrite
         (the capture, for usage and the comparator, sees the backend's own bytes)."""
-        status, headers = opened.response.status_code, opened.client_headers(name)
+        status, headers = opened.response.status_code, opened.client_headers(self.backends[name])
         if not opened.is_sse:
             try:
                 raw = opened.first + b"".join([chunk async for chunk in opened.rest])

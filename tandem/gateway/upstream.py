@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from tandem.gateway.capture import Capture, StreamTap, capture_body
-from tandem.gateway.config import BackendConfig, redact_text
+from tandem.gateway.config import BackendConfig, redact_text, strip_userinfo
 
 SHADOW_HEADER = "x-tandem-shadow"
 BACKEND_HEADER = "x-tandem-backend"
@@ -52,10 +52,16 @@ class Opened:
     def is_sse(self) -> bool:
         return self.response.headers.get("content-type", "").startswith("text/event-stream")
 
-    def client_headers(self, backend: str) -> dict[str, str]:
-        """The backend's response headers for the client, plus which backend answered."""
+    def client_headers(self, backend: BackendConfig) -> dict[str, str]:
+        """The backend's response headers for the client, plus which backend answered. A redirect
+        to the backend's own URL (e.g. a trailing-slash 307) is made relative, so that the client
+        follows it through the gateway and never learns the backend's address."""
         out = {k: v for k, v in self.response.headers.items() if k.lower() not in _DROP_RESPONSE}
-        out[BACKEND_HEADER] = backend
+        origin = strip_userinfo(backend.url)
+        for key in [k for k in out if k.lower() == "location"]:
+            if out[key] == origin or out[key].startswith(origin + "/"):
+                out[key] = out[key][len(origin):] or "/"
+        out[BACKEND_HEADER] = backend.name
         return out
 
 
@@ -141,5 +147,6 @@ def sse_error_event(message: str, code: str = "backend_stream_broken") -> bytes:
 
 def error_json(status: int, message: str, code: str) -> dict[str, Any]:
     """An OpenAI error body from the gateway itself."""
-    kind = {401: "authentication_error", 400: "invalid_request_error"}.get(status, "server_error")
+    kind = {401: "authentication_error", 400: "invalid_request_error", 413: "invalid_request_error"}.get(
+        status, "server_error")
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}
