@@ -386,8 +386,9 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     load_extension().fused_add_rms_norm(x, residual, weight, eps)
 
 
-# The formats a linear of ``decoder_layer`` may have, in the C++ kernel's numbering (csrc/decoder_layer.cpp).
-LINEAR_KINDS = ("bf16", "int8", "int4", "q8_0", "q4_1")
+# The formats a linear of ``decoder_layer`` may have, in the C++ kernel's numbering (csrc/decoder_layer.cpp);
+# the GGUF K-quants (q5_0, q4_k, q6_k) only in the avx2 build, like their linear kernels.
+LINEAR_KINDS = ("bf16", "int8", "int4", "q8_0", "q4_1", "q5_0", "q4_k", "q6_k")
 LayerLinear = tuple[str, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
 
 
@@ -397,7 +398,7 @@ def decoder_layer(
     input_norm: torch.Tensor,
     post_norm: torch.Tensor,
     eps: float,
-    linears: tuple[LayerLinear, LayerLinear, LayerLinear, LayerLinear],
+    linears: tuple[LayerLinear | list[LayerLinear], ...],
     cos: torch.Tensor,
     sin: torch.Tensor,
     k_cache: torch.Tensor,
@@ -415,7 +416,8 @@ def decoder_layer(
     then the embeddings) as there; norm weights ``[hidden]``; ``linears`` = qkv (rows ordered q, k, v),
     o, gate_up, down, each ``(format, weight, scale, bias)``: ``"bf16"`` with the weight ``[N, K]`` and no
     scale, or a ``QuantizedLinear`` format of ``LINEAR_KINDS`` with its ``qweight`` and ``scale``
-    (``Linear.kernel_linear`` / ``QuantizedLinear.kernel_linear``); ``cos, sin [T, 1, head_dim]``; caches
+    (``Linear.kernel_linear`` / ``QuantizedLinear.kernel_linear``), or a list of such parts whose outputs are
+    concatenated along N (``ConcatLinear.kernel_linear``); ``cos, sin [T, 1, head_dim]``; caches
     ``[N, B, KV, D]``; ``meta`` an ``AttentionMetadata``. Requires ``T <= max_query_len`` and the
     registry's limits (``registry.use("decoder_layer", tokens=T)`` and each linear's own op).
 
@@ -424,9 +426,11 @@ def decoder_layer(
     Raises:
         ValueError: an unknown format. RuntimeError: wrong dtypes, shapes or layouts (raised by the kernels).
     """
-    kinds = [LINEAR_KINDS.index(fmt) for fmt, _, _, _ in linears]
+    parts = [linear if isinstance(linear, list) else [linear] for linear in linears]
+    flat = [part for group in parts for part in group]
+    kinds = [LINEAR_KINDS.index(fmt) for fmt, _, _, _ in flat]
     return load_extension().decoder_layer(
-        x, residual, input_norm, post_norm, eps, kinds, [w for _, w, _, _ in linears], [s for _, _, s, _ in linears],
-        [b for _, _, _, b in linears], cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-        meta.query_start_loc, num_heads, num_kv_heads, scale, max_query_len,
+        x, residual, input_norm, post_norm, eps, kinds, [w for _, w, _, _ in flat], [s for _, _, s, _ in flat],
+        [b for _, _, _, b in flat], [len(group) for group in parts], cos, sin, k_cache, v_cache, meta.slot_mapping,
+        meta.block_tables, meta.seq_lens, meta.query_start_loc, num_heads, num_kv_heads, scale, max_query_len,
     )

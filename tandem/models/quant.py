@@ -259,10 +259,12 @@ class QuantizedLinear(nn.Module):
 
     def kernel_linear(self, tokens: int) -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """``(format, qweight, scale, bias)`` for ``kernels.decoder_layer`` when ``forward`` over ``tokens``
-        tokens of bf16 activations would call this format's linear kernel, else None (also for the formats
-        the fused layer does not take: the GGUF K-quants, whose kernels exist in the avx2 build only)."""
+        tokens of bf16 activations would call this format's linear kernel in the fused layer's own build, else
+        None (the GGUF K-quants on avx512_bf16, whose kernels the registry routes to the avx2 build)."""
+        op = self._LINEAR_OPS[self.method]
         if (self.method in kernels.LINEAR_KINDS and (self.bias is None or self.bias.dtype == torch.bfloat16)
-                and registry.use(self._LINEAR_OPS[self.method], tokens=tokens)):
+                and registry.use(op, tokens=tokens)
+                and registry.backend_for(op) == registry.backend_for("decoder_layer")):
             return self.method, self.qweight, self.scale, self.bias
         return None
 
@@ -303,6 +305,12 @@ class ConcatLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    def kernel_linear(self, tokens: int) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]] | None:
+        """The parts' ``QuantizedLinear.kernel_linear`` tuples for ``kernels.decoder_layer`` (which concatenates
+        their outputs as ``forward`` does), or None when any part has no kernel for ``tokens`` tokens."""
+        parts = [part.kernel_linear(tokens) for part in self.parts]
+        return None if any(p is None for p in parts) else parts
 
 
 def quantize_model(model: nn.Module, method: str) -> nn.Module:

@@ -3,7 +3,8 @@
 Both run the same kernels in the same order, so hidden states and KV caches must be bit-identical.
 The step mixes a decode row (1 token after a 20-token prefill) and a fresh 5-token row, on tiny
 random checkpoints: Llama (llama3 RoPE, biases everywhere, tied embeddings), Mistral, Qwen2 (q/k/v
-bias), with bf16 linears and with quantized ones (int8, int4, GGUF q8_0 / q4_1, and a GGUF-like mix);
+bias), with bf16 linears and with quantized ones (int8, int4, GGUF q8_0 / q4_1, a GGUF-like mix, and
+llama.cpp's Q4_K_M mix of Q5_0 / Q8_0 / Q4_K / Q6_K with qkv split over two formats);
 the quantized layer is also checked against PyTorch ops on the dequantized weights. Qwen3 (q/k norm)
 must fall back to the Python path.
 """
@@ -21,7 +22,7 @@ from tandem.config import CacheConfig, EngineConfig, ModelConfig
 from tandem.kernels import registry
 from tandem.models.layers import Linear
 from tandem.models.llama import LlamaModel
-from tandem.models.quant import QuantizedLinear, quantize_model
+from tandem.models.quant import ConcatLinear, QuantizedLinear, quantize_model
 from tandem.worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(
@@ -144,12 +145,18 @@ def test_quantized_fused_layer_is_bit_identical_to_the_python_path(name: str, mi
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     runner = bf16_runner(tiny_checkpoint_factory(name))
     mixed_quantized(runner, mix)
+    assert_fused_matches_python_path(runner, monkeypatch)
+
+
+def assert_fused_matches_python_path(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+    """One fused call per layer and step, the same hidden states and caches as the Python path; returns them."""
     calls = count_fused(monkeypatch)
     fused, caches, ref, ref_caches = run_both(runner.model, runner, monkeypatch)
     assert len(calls) == fused_steps() * len(runner.model.model.layers)
     assert fused.abs().max() > 0 and torch.equal(fused, ref)
     for (k, v), (rk, rv) in zip(caches, ref_caches, strict=True):
         assert torch.equal(k, rk) and torch.equal(v, rv)
+    return fused
 
 
 def test_quantized_fused_layer_against_pytorch_on_dequantized_weights(tiny_checkpoint_factory,  # noqa: ANN001
@@ -173,6 +180,53 @@ def test_quantized_fused_layer_against_pytorch_on_dequantized_weights(tiny_check
         ref = mixed_step(runner.model, [(k.clone(), v.clone()) for k, v in runner.kv_caches])
     assert len(calls) == fused_steps() * len(runner.model.model.layers)  # the reference ran no fused layer
     err = (fused.float() - ref.float()).abs().max() / ref.float().abs().max()
+    assert 0 < err <= 0.05, err
+
+
+def random_codes(fmt: str, k: int, output_sizes: list[int], bias: bool, g: torch.Generator) -> QuantizedLinear:
+    """A ``fmt`` layer of random GGUF codes (every byte random, fp16 fields in [1e-3, 1e-2)) and a random bias."""
+    layer = QuantizedLinear.empty(fmt, k, output_sizes, bias, torch.bfloat16)
+    info = torch.iinfo(layer.qweight.dtype)
+    layer.qweight.copy_(torch.randint(info.min, info.max + 1, layer.qweight.shape, generator=g, dtype=torch.int64))
+    layer.scale.copy_(torch.rand(layer.scale.shape, generator=g) * 9e-3 + 1e-3)
+    if bias:
+        layer.bias.copy_(torch.randn(layer.bias.shape, generator=g) * 0.1)
+    return layer
+
+
+def q4_k_m_layers(model) -> None:  # noqa: ANN001
+    """llama.cpp's Q4_K_M mix of a real file (SmolLM2-135M's): qkv a ``ConcatLinear`` of q/k in Q5_0 and v in
+    Q8_0, o and gate_up Q5_0, down Q4_K (layer 0) / Q6_K (layer 1). K-quants need K % 256 == 0, so gate_up
+    gets 2 x 256 rows of random codes and down reads 256 (the tiny checkpoint's MLP is 96 wide)."""
+    g = torch.Generator().manual_seed(0)
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        hidden, bias = attn.o_proj.weight.shape[0], attn.qkv_proj.bias is not None
+        qk = random_codes("q5_0", hidden, [q, kv], bias, g)
+        attn.qkv_proj = ConcatLinear([qk, random_codes("q8_0", hidden, [kv], bias, g)])
+        attn.o_proj = random_codes("q5_0", q, [hidden], False, g)
+        mlp.gate_up_proj = random_codes("q5_0", hidden, [256, 256], False, g)
+        mlp.down_proj = random_codes("q4_k" if i == 0 else "q6_k", 256, [hidden], False, g)
+
+
+@pytest.mark.skipif(not registry.use("linear_q4_k") or registry.backend_for("linear_q4_k") != registry.selected(),
+                    reason="the fused layer takes GGUF K-quants only in the avx2 build")
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_q4_k_m_fused_layer_is_bit_identical_and_close_to_pytorch(name: str, tiny_checkpoint_factory,  # noqa: ANN001
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q5_0 / Q8_0 / Q4_K / Q6_K linears, qkv split over two formats: one fused call per layer and step,
+    the same bits as the Python path, and within 5% of PyTorch ops on the dequantized weights (as for the
+    gguf-mix above; measured 1-2% here)."""
+    runner = bf16_runner(tiny_checkpoint_factory(name))
+    q4_k_m_layers(runner.model)
+    fused = assert_fused_matches_python_path(runner, monkeypatch)
+    with monkeypatch.context() as m:
+        m.setattr(registry, "use", lambda op, tokens=None: False)
+        for layer in runner.model.model.layers:
+            m.setattr(layer.self_attn, "backend", TorchRefAttention())
+        torch_ref = mixed_step(runner.model, [(k.clone(), v.clone()) for k, v in runner.kv_caches])
+    err = (fused.float() - torch_ref.float()).abs().max() / torch_ref.float().abs().max()
     assert 0 < err <= 0.05, err
 
 

@@ -22,8 +22,8 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, do
 std::tuple<at::Tensor, at::Tensor> decoder_layer(
     at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor input_norm, at::Tensor post_norm, double eps,
     std::vector<int64_t> kinds, std::vector<at::Tensor> weights, std::vector<c10::optional<at::Tensor>> scales,
-    std::vector<c10::optional<at::Tensor>> biases, at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
-    at::Tensor v_cache, at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
+    std::vector<c10::optional<at::Tensor>> biases, std::vector<int64_t> parts, at::Tensor cos, at::Tensor sin,
+    at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
     at::Tensor query_start_loc, int64_t num_heads, int64_t num_kv_heads, double scale, int64_t max_query_len);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -10,10 +10,31 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include <torch/extension.h>
+
+namespace tandem {
+namespace {
+std::mutex bound_mu;
+std::vector<int64_t> bound;  // the cores of the last successful bind_omp_threads
+std::atomic<uint64_t> bind_count{0};
+}  // namespace
+
+uint64_t bind_epoch() { return bind_count.load(std::memory_order_acquire); }
+
+// The cores of the last bind_omp_threads call (empty before one) and, in *epoch, how many calls
+// succeeded: the avx2 worker team (csrc/avx2/parallel.cpp) pins worker i to cores[i] and rebuilds
+// itself when the epoch (also bind_epoch()) changes.
+std::vector<int64_t> bound_cpus(uint64_t* epoch) {
+  std::lock_guard<std::mutex> lock(bound_mu);
+  *epoch = bind_count.load();
+  return bound;
+}
+}  // namespace tandem
 
 // Pins OpenMP thread i of an n = len(cpus) thread team to cpus[i] and sets omp_set_num_threads(n).
 // Returns the kernel thread ids (gettid) of the team, in thread-number order.
@@ -44,6 +65,11 @@ std::vector<int64_t> bind_omp_threads(const std::vector<int64_t>& cpus) {
   for (int i = 0; i < n; ++i) {
     TORCH_CHECK(errs[i] == 0, "bind_omp_threads: cannot pin thread ", i, " to core ", cpus[i], ": ",
                 strerror(errs[i]));
+  }
+  {
+    std::lock_guard<std::mutex> lock(tandem::bound_mu);
+    tandem::bound = cpus;
+    ++tandem::bind_count;
   }
   return tids;
 }
