@@ -197,6 +197,7 @@ def main() -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="router-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"load average at start: {os.getloadavg()}; logs in {work}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # NOTE: `kill` of the bench stops its servers too
     a, b, single = serve("engine-a", args, work, 1, "0"), serve("engine-b", args, work, 1, "1"), \
         serve("engine-single", args, work, 2, "0-1")
     procs = [a, b, single]

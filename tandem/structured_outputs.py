@@ -32,8 +32,9 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar (its JSON text) of one constraint; deterministic, so it is the cache key.
 
     Raises:
-        SamplingParamsError: ``json`` is a string that is not a JSON object, or a grammar that is
-            neither Lark nor GBNF (param ``structured_outputs.<kind>``).
+        SamplingParamsError: ``json`` is a string that is not a JSON object, a schema nested too deeply
+            (Python's recursion limit), or a grammar that is neither Lark nor GBNF (param
+            ``structured_outputs.<kind>``).
     """
     kind = params.kind
     options: dict[str, Any] = {"whitespace_flexible": False}
@@ -54,6 +55,9 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         return llguidance.grammar_from("grammar", params.grammar)
     except ValueError as e:  # NOTE: json.JSONDecodeError is a ValueError
         raise SamplingParamsError(f"invalid structured_outputs.{kind}: {e}", f"structured_outputs.{kind}") from None
+    except RecursionError:  # NOTE: json.loads and ecmascript_patterns recurse once per nesting level
+        raise SamplingParamsError(f"invalid structured_outputs.{kind}: nested too deeply",
+                                  f"structured_outputs.{kind}") from None
 
 
 # ECMAScript's (JSON Schema's) meaning of the class escapes that Rust regexes read as Unicode classes;

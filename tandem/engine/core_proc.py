@@ -268,6 +268,7 @@ def run_engine_core(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _release_fork_server()
     if cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cpus)
     ctx = zmq.Context()
@@ -282,6 +283,28 @@ def run_engine_core(
         outputs.close(linger=1000)
         inputs.close(linger=0)  # NOTE: every socket must be closed, or ctx.term() waits forever
         ctx.term()
+
+
+def _release_fork_server() -> None:
+    """Closes this process's copy of the fork server's liveness pipe.
+
+    CPython's fork server hands each child it forks the write end of the pipe whose end-of-file tells
+    the fork server that its front end is gone (``multiprocessing.forkserver``). A core holding it
+    keeps the fork server alive after the front end dies (``kill -9``), and the core, whose loop
+    leaves when its parent (the fork server) does, then runs on as an orphan with its memory. Closed,
+    the fork server exits with the front end and the core follows. No-op outside a fork-server child.
+    """
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is None:
+        return
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    server._forkserver_alive_fd = None
 
 
 def _serve_core(model_dir: Path, config: EngineConfig, inputs: zmq.Socket, outputs: zmq.Socket, rank: int) -> None:

@@ -68,7 +68,7 @@ class ToolCallParam(_Model):
         such as Qwen2.5's and Llama 3.1's render), else the text as given."""
         try:
             arguments: Any = json.loads(self.function.arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             arguments = self.function.arguments
         function = {"name": self.function.name, "arguments": arguments}
         return {"id": self.id, "type": "function", "function": function}

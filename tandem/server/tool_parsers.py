@@ -89,7 +89,7 @@ class HermesParser(ToolParser):
                 if not isinstance(value, dict):
                     raise ValueError("a tool call must be a JSON object")
                 calls.append(make_call(value.get("name"), value.get("arguments", {})))
-        except ValueError:
+        except (ValueError, RecursionError):  # NOTE: RecursionError: JSON nested too deeply
             return text, []
         rest = self._BLOCK.sub("", text[start:]).strip()
         if rest:  # NOTE: text between or after the blocks: not a clean call, keep it all as content
@@ -121,7 +121,7 @@ class Llama3JsonParser(ToolParser):
                 at = end
                 while at < len(body) and body[at] in " \t\r\n;":
                     at += 1
-        except ValueError:
+        except (ValueError, RecursionError):  # NOTE: RecursionError: JSON nested too deeply
             return text, []
         return None, calls
 

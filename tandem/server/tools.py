@@ -145,7 +145,7 @@ def extract_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]
         if plan.mode == "required":
             items = json.loads(text)
             return None, [make_call(item["name"], item["parameters"]) for item in items]
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):
         return text, []
     assert plan.parser is not None
     content, calls = plan.parser.parse(text)

@@ -102,3 +102,24 @@ def test_crash_loop_stops_restarting_for_good(server):
     assert metric_samples(server.url)[("tandem:engine_core_restarts_total", ())] == 1
     with pytest.raises(LookupError):
         server.core_process()
+
+
+def test_a_killed_front_end_takes_its_fork_server_and_engine_core_with_it(stories_dir, tmp_path):
+    """``kill -9`` of ``tandem serve`` leaves no orphan: the fork server sees its front end gone and
+    exits, the core, whose parent that was, leaves its loop, and the resource tracker follows (the
+    fork server and core used to run on, 384 MB)."""
+    import psutil
+
+    s = Server(stories_dir, tmp_path / "server.log")
+    try:
+        s.wait_healthy()
+        core = s.core_process()
+        family = psutil.Process(s.proc.pid).children(recursive=True)  # fork server, core, resource tracker
+        forkservers = [p for p in family if "forkserver" in " ".join(p.cmdline()) and p.pid != core.pid]
+        assert len(forkservers) == 1 and core.ppid() == forkservers[0].pid and core in family
+        s.proc.kill()
+        s.proc.wait(timeout=10)
+        _, alive = psutil.wait_procs(family, timeout=60)
+        assert not alive, [(p.pid, p.cmdline()[:3]) for p in alive]
+    finally:
+        s.stop()

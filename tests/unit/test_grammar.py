@@ -162,3 +162,18 @@ def test_structured_outputs_params_are_validated():
         grammar_text(StructuredOutputsParams(json="[1, 2]"))
     params = SamplingParams(structured_outputs={"choice": ["x"]})
     assert params.structured_outputs == StructuredOutputsParams(choice=["x"])
+
+
+def _nested_any_of(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"anyOf": [schema]}
+    return schema
+
+
+@pytest.mark.parametrize("json_field", ["[" * 5000 + "]" * 5000, {"type": "array", "items": _nested_any_of(450)}])
+def test_too_deeply_nested_schema_is_a_request_error_not_a_crash(json_field):
+    """Found over HTTP: both answered 500 ``RecursionError`` (json.loads of the string; the schema walk)."""
+    with pytest.raises(SamplingParamsError, match="nested too deeply") as info:
+        check_grammar(StructuredOutputsParams(json=json_field))
+    assert info.value.param == "structured_outputs.json"

@@ -116,3 +116,15 @@ def test_plans_follow_vllm():
     assert extract_calls(named, '{"city": "Ro') == ('{"city": "Ro', [])  # cut by max_tokens: text
     with pytest.raises(ValueError, match="needs --tool-call-parser"):
         ToolCalling(True, None)
+
+
+DEEP = "[" * 5000 + "]" * 5000
+
+
+@pytest.mark.parametrize("parser, text", [
+    (HermesParser(), '<tool_call>{"name": "a", "arguments": ' + DEEP + "}</tool_call>"),
+    (HermesParser(), '<tool_call>{"name": "a", "arguments": "' + DEEP + '"}</tool_call>'),
+    (Llama3JsonParser(), '{"name": "a", "parameters": ' + DEEP + "}"),
+])
+def test_too_deeply_nested_output_comes_back_as_text(parser, text):
+    assert parser.parse(text) == (text, [])
