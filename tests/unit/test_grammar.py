@@ -177,3 +177,17 @@ def test_too_deeply_nested_schema_is_a_request_error_not_a_crash(json_field):
     with pytest.raises(SamplingParamsError, match="nested too deeply") as info:
         check_grammar(StructuredOutputsParams(json=json_field))
     assert info.value.param == "structured_outputs.json"
+
+
+def test_a_grammar_too_large_to_compile_quickly_is_refused_before_llguidance_sees_it():
+    """50,000 choices took 12.8 s of the API server's event loop (every other request waited)."""
+    from tandem.structured_outputs import MAX_GRAMMAR_BYTES
+
+    huge = StructuredOutputsParams(choice=[f"item number {i}" for i in range(50_000)])
+    size = len(grammar_text(huge))
+    with pytest.raises(SamplingParamsError) as e:
+        check_grammar(huge)
+    assert str(e.value) == (f"the choice cannot be enforced: its grammar is {size} bytes, more than the "
+                            f"{MAX_GRAMMAR_BYTES} this server compiles")
+    assert e.value.param == "structured_outputs"
+    check_grammar(StructuredOutputsParams(choice=[f"item number {i}" for i in range(5_000)]))  # 104 KB: fine
