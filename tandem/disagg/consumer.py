@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import zmq
 
-from tandem.disagg.data_channel import DATA, DONE, FAIL, HEADER
+from tandem.disagg.data_channel import DATA, DONE, FAIL, HEADER, set_timeouts
 from tandem.disagg.messages import (
     KVAdmitted,
     KVChallenge,
@@ -234,6 +234,7 @@ class KVPuller:
         try:
             data = socket.create_connection((host, admitted.data_port), timeout=self.timeout_ms / 1000)
             data.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_timeouts(data, self.timeout_ms / 1000)
             data.sendall(admitted.data_token)
         except OSError as e:
             raise TransferError(f"cannot open the KV data connection to {host}:{admitted.data_port}: {e}") from None
@@ -326,7 +327,7 @@ def _recv_into(sock: socket.socket, view: memoryview, what: str, silent: Callabl
     while got < n:
         try:
             k = sock.recv_into(view[got:])
-        except TimeoutError:
+        except (TimeoutError, BlockingIOError):  # NOTE: SO_RCVTIMEO passed with no byte
             raise silent(what) from None
         except OSError as e:
             raise TransferError(f"the KV data connection failed after {got} of {n} bytes: {e}") from None

@@ -124,3 +124,21 @@ def test_a_reply_that_outlives_its_lease_is_cut_off(pair):
 
 def test_runs():
     assert consumer_module._runs([4, 5, 6, 9, 2, 3]) == [(4, 3), (9, 1), (2, 2)]
+
+
+def test_a_producer_that_goes_silent_mid_stream_fails_the_pull_at_the_timeout(pair):
+    server, puller, port, _, _ = pair
+    puller.timeout_ms = 300  # NOTE: before the first pull opens the data connection
+    send, stall = server.data._send_frame, threading.Event()
+
+    def stalling_send(sock, frame, staging):
+        if stall.is_set():
+            time.sleep(2)  # NOTE: alive but silent (a frozen process keeps its connections open)
+        stall.set()
+        return send(sock, frame, staging)
+
+    server.data._send_frame = stalling_send
+    t0 = time.monotonic()
+    result = pull(puller, port, [1, 2, 3], [4, 5, 6])
+    assert result.error == "the prefill engine sent nothing for 0.3 s (KV blocks)"
+    assert time.monotonic() - t0 < 1.9
