@@ -36,7 +36,7 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
-from tandem.models import gguf_moe
+from tandem.models import gguf_families, gguf_moe
 from tandem.models.gguf_blocks import LAYOUTS, block_shapes
 
 # GGUF `general.architecture` -> (HF architecture class, HF model_type). Mistral GGUFs use "llama".
@@ -44,6 +44,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    **gguf_families.FAMILY_ARCHITECTURES,
 }
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -92,7 +93,7 @@ _KEPT_BLOCKS = {
 # GGUF tensors that are linear layers' weights (the embedding table is not: a lookup reads one row).
 _LINEAR_BASES = frozenset(
     {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output"}
-)
+) | gguf_families.LINEAR_BASES
 
 
 class UnsupportedGGUFError(ValueError):
@@ -113,6 +114,7 @@ class _Entry:
     shape: tuple[int, ...]  # HF (row-major) shape, the reverse of GGUF's ne[] order
     permute_heads: int | None  # undo llama.cpp's Q/K row permutation over this many heads
     part: str = "weight"  # "weight" (float), or "qweight" / "scale" of a kept block tensor
+    shift: float = 0.0  # added in float32 after loading (Gemma's norms: -1, see gguf_families)
 
     @property
     def nbytes(self) -> int:
@@ -134,6 +136,9 @@ def hf_tensor_name(gguf_name: str, model_type: str = "llama") -> str:
     moe_name = gguf_moe.block_tensor_name(base, model_type) if match and layer is not None else None
     if moe_name is not None:
         return f"model.layers.{layer}.{moe_name}"
+    family_name = gguf_families.block_tensor_name(base, model_type) if match and layer is not None else None
+    if family_name is not None:
+        return f"model.layers.{layer}.{family_name}.{match['suffix']}"
     if match and layer is not None and base in _BLOCK_TENSORS:
         return f"model.layers.{layer}.{_BLOCK_TENSORS[base]}.{match['suffix']}"
     raise UnsupportedGGUFError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent in this converter")
@@ -247,9 +252,12 @@ def special_token_ids(meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_hf_config(
-    meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], rope_freqs: np.ndarray | None = None
+    meta: dict[str, Any], shapes: dict[str, tuple[int, ...]], rope_freqs: np.ndarray | None = None,
+    rope_factors: dict[str, np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """HF `config.json` contents from GGUF metadata and the HF shapes of the tensors (keyed by GGUF name).
+
+    `rope_factors`: Phi-3's `rope_factors_long/short.weight` tensors, when the file has them.
 
     `torch_dtype` is left to the caller, which knows how tensors are stored.
 
@@ -262,7 +270,7 @@ def build_hf_config(
     hf_arch, model_type = moe[:2] if moe else SUPPORTED_ARCHITECTURES[arch]
     hidden = int(_required(meta, f"{arch}.embedding_length"))
     heads = int(_required(meta, f"{arch}.attention.head_count"))
-    head_dim = int(
+    head_dim = gguf_families.head_dim(meta, arch, hidden, heads) or int(
         meta.get(f"{arch}.attention.key_length", meta.get(f"{arch}.rope.dimension_count", hidden // heads))
     )
     rope = _rope_parameters(meta, arch, head_dim, rope_freqs)
@@ -292,11 +300,13 @@ def build_hf_config(
         config["attention_bias"] = "blk.0.attn_q.bias" in shapes
     if model_type == "llama":
         config["mlp_bias"] = "blk.0.ffn_up.bias" in shapes
-    if moe:
-        try:
+    try:
+        if moe:
             config.update(gguf_moe.moe_config(meta, arch, model_type, moe[2], shapes))
-        except KeyError as e:
-            raise UnsupportedGGUFError(f"GGUF metadata lacks the required key {e.args[0]!r}") from None
+        if arch in gguf_families.FAMILY_ARCHITECTURES:
+            config.update(gguf_families.family_config(meta, arch, config, rope_factors or {}))
+    except KeyError as e:
+        raise UnsupportedGGUFError(f"GGUF metadata lacks the required key {e.args[0]!r}") from None
     return config
 
 
@@ -354,7 +364,7 @@ def _plan(
     entries, quantized = [], {}
     kept_experts = _kept_expert_layers(tensors) if keep_quantized else set()
     for tensor in tensors:
-        if tensor.name == _ROPE_FREQS:
+        if tensor.name == _ROPE_FREQS or tensor.name in gguf_families.ROPE_FACTOR_TENSORS:
             continue
         base = tensor.name.split(".")[-2]
         hf_name = hf_tensor_name(tensor.name, config["model_type"])
@@ -374,11 +384,12 @@ def _plan(
             # dequantized below for lookups, at the cost of a second, smaller copy.
             entries += _quantized_entries("lm_head", tensor, None)
             quantized["lm_head"] = _KEPT_BLOCKS[tensor.tensor_type]
-        dtype = _KEPT_TYPES.get(tensor.tensor_type, "F32")
+        shift = gguf_families.norm_shift(config["model_type"], hf_name)
+        dtype = "F32" if shift else _KEPT_TYPES.get(tensor.tensor_type, "F32")
         shape = _hf_shape(tensor)
         if base == "ffn_gate_inp_shexp" and len(shape) == 1:
             shape = (1, *shape)  # a 1-row linear layer, whichever way the file stores it
-        entries.append(_Entry(hf_name, tensor, dtype, shape, permute_heads))
+        entries.append(_Entry(hf_name, tensor, dtype, shape, permute_heads, shift=shift))
     return entries, quantized
 
 
@@ -426,7 +437,16 @@ def _load_entry(entry: _Entry) -> np.ndarray:
     array = load_tensor(entry.tensor) if entry.part == "weight" else block_parts(entry.tensor)[entry.part]
     if entry.permute_heads is not None:
         array = unpermute_qk(array, entry.permute_heads)
+    if entry.shift:
+        array = _as_float32(array, entry.tensor) + np.float32(entry.shift)
     return np.ascontiguousarray(array).reshape(entry.shape)
+
+
+def _as_float32(array: np.ndarray, tensor: ReaderTensor) -> np.ndarray:
+    """`load_tensor`'s array as float32 (BF16 comes back as raw uint16 bits)."""
+    if tensor.tensor_type == GGMLQuantizationType.BF16:
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    return array.astype(np.float32)
 
 
 def write_safetensors(path: Path, entries: list[_Entry], *, progress: bool = True, desc: str = "") -> None:
@@ -511,7 +531,9 @@ def convert_gguf(
     tensors = {t.name: t for t in reader.tensors}
     shapes = {name: _hf_shape(t) for name, t in tensors.items()}
     rope_freqs = load_tensor(tensors[_ROPE_FREQS]).astype(np.float32) if _ROPE_FREQS in tensors else None
-    config = build_hf_config(meta, shapes, rope_freqs)
+    rope_factors = {name: load_tensor(tensors[name]).astype(np.float32)
+                    for name in gguf_families.ROPE_FACTOR_TENSORS if name in tensors}
+    config = build_hf_config(meta, shapes, rope_freqs, rope_factors)
     entries, quantized = _plan(list(tensors.values()), config, keep_quantized)
     config["torch_dtype"] = config["dtype"] = _checkpoint_dtype(entries)
     if quantized:
