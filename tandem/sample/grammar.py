@@ -16,8 +16,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import llguidance
-import llguidance.hf
-import llguidance.torch
 import torch
 
 from tandem.sampling_params import StructuredOutputsParams
@@ -36,6 +34,8 @@ def make_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[
         ValueError: a slow (non-``tokenizers``) tokenizer.
     """
     eos = sorted(eos_token_ids) or None
+    import llguidance.hf  # imports transformers; only needed once a grammar is compiled
+
     return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
 
 
@@ -93,22 +93,36 @@ def fill_bitmask(grammars: list[Grammar], bitmask: torch.Tensor, drafts: list[li
     for i, grammar in enumerate(grammars):
         matcher = grammar.matcher
         row_drafts = drafts[i] if drafts is not None else []
-        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
+        _fill_row(matcher, bitmask, row)
         consumed = 0
         for token in row_drafts:
             if matcher.validate_tokens([token]) != 1 or not matcher.consume_token(token):
                 break
             consumed += 1
-            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row + consumed)
+            _fill_row(matcher, bitmask, row + consumed)
         if consumed:
             matcher.rollback(consumed)
         grammar.check_error()
         row += 1 + len(row_drafts)
 
 
+def _fill_row(matcher: llguidance.LLMatcher, bitmask: torch.Tensor, row: int) -> None:
+    """Write ``matcher``'s next-token mask into ``bitmask[row]`` (contiguous int32 words).
+
+    What ``llguidance.torch.fill_next_token_bitmask`` does, without importing that module: it
+    decorates a function with ``torch.compile`` at import, which loads torch._dynamo (about 4 s of
+    every server start-up).
+    Raises: ValueError when ``bitmask`` is not int32 or its row is not contiguous.
+    """
+    words = bitmask[row]
+    if bitmask.dtype != torch.int32 or not words.is_contiguous():
+        raise ValueError(f"bitmask must be a contiguous int32 [rows, words] tensor, got {bitmask.dtype}")
+    matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
+
+
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """``[rows, ceil(vocab_size / 32)]`` int32, all bits set (every token allowed)."""
-    return torch.full(llguidance.torch.get_bitmask_shape(rows, vocab_size), -1, dtype=torch.int32)
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
 class GrammarCompiler:

@@ -5,7 +5,9 @@ Each step hands out at most ``max_num_batched_tokens`` tokens so requests catch 
 1 token, a prompt for a chunk. Running requests go first, in order; when the KV pool runs out the
 newest running request is preempted (its blocks freed, recomputed later). Then waiting requests are
 admitted in the policy's order (``policies.py``: FCFS or priority), reusing prefix-cache hits and
-skipping requests that are not ready yet (remote KV on the wire, a grammar compiling). Chunked
+skipping requests that are not ready yet (remote KV on the wire, a grammar compiling) or that the
+``AdmissionGate`` holds back (``admission.py``: their prefix is being computed by a running request, or
+too many long prompts run already). Chunked
 prefill, prefix hits and preemption all fall out of the two counters. The scheduler never touches
 tensors.
 
@@ -35,6 +37,7 @@ from tandem.outputs import (
     SchedulerOutput,
 )
 from tandem.request import Request, RequestStatus
+from tandem.scheduler.admission import AdmissionGate
 from tandem.scheduler.integrity import check_scheduler
 from tandem.scheduler.planning import TokenPlanner, make_row
 from tandem.scheduler.policies import make_waiting_queue
@@ -242,19 +245,25 @@ class Scheduler(RemoteKVMixin):
         self.waiting.add_preempted(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        gate = AdmissionGate(self.running, self.block_size, self.kv_cache_manager.enable_prefix_caching,
+                             self.config.long_prefill_token_threshold, self.config.max_long_partial_prefills)
         for request in self.waiting:  # a snapshot, in policy order
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
             if not request.is_ready():
                 continue  # skipped, keeps its place, blocks nobody
-            n = self._admit(out, request, budget)
+            n = self._admit(out, request, budget, gate)
+            if n is None:
+                continue  # held back by the gate (admission.py), keeps its place
             if n == 0:
                 return  # no ready request overtakes one that does not fit
             budget -= n
 
-    def _admit(self, out: SchedulerOutput, request: Request, budget: int) -> int:
-        """Moves a ready waiting request to running with its first chunk; returns its tokens (0: no room)."""
+    def _admit(self, out: SchedulerOutput, request: Request, budget: int, gate: AdmissionGate) -> int | None:
+        """Moves a ready waiting request to running with its first chunk; returns its tokens (0: no room,
+        None: ``gate`` holds it back this step)."""
         kv = self.kv_cache_manager
+        may_hit = False
         if request.num_computed_tokens > 0:  # its first tokens' KV came from elsewhere, blocks owned
             hit_ids, num_hit, start = [], 0, request.num_computed_tokens
         elif request.sampling_params.prompt_logprobs is not None and not request.output_token_ids:
@@ -262,7 +271,9 @@ class Scheduler(RemoteKVMixin):
             hit_ids, num_hit, start = [], 0, 0
         else:
             hit_ids, num_hit = kv.get_computed_blocks(request)
-            start = num_hit
+            start, may_hit = num_hit, True
+        if gate.holds_back(request, start, hit_possible=may_hit):
+            return None
         n = self.planner.chunk_size(request, start, budget)
         num_slots = n + self.planner.num_lookahead(request, start, n)
         block_ids = kv.allocate_slots(request, num_slots, hit_ids, num_hit)
@@ -280,6 +291,7 @@ class Scheduler(RemoteKVMixin):
         request.num_computed_tokens = start
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        gate.admitted(request, start)
         out.scheduled.append(make_row(request, n, block_ids))
         return n
 
