@@ -163,7 +163,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self._tokenizer(eos_token_ids), text, log_level=0)
         # NOTE: the first mask builds the lexer's states over the vocabulary (0.5 s for a{500000} with a
         # 512-token vocabulary, 0.08 s after); built here, not in the engine's first step with it.
-        llguidance.torch.fill_next_token_bitmask(matcher, allocate_bitmask(1, self.vocab_size))
+        _fill_row(matcher, allocate_bitmask(1, self.vocab_size), 0)
         if matcher.is_error():
             # NOTE: the edge checked this grammar; the runner ends the request with this error.
             logger.error("grammar failed to build: %s", matcher.get_error().splitlines()[0])
