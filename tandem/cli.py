@@ -57,7 +57,12 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_bind_default: str = "none", 
                    help="disable automatic prefix caching")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="most tokens of one request's prefill per step (default 0: the budget)")
+    p.add_argument("--max-long-partial-prefills", type=int, default=0,
+                   help="with --long-prefill-token-threshold: how many requests with more tokens than that left "
+                        "compute at once; the others wait while short ones (prefix hits) go first (default 0: "
+                        "no limit)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch threads (default: the allowed cores, capped by the cgroup CPU quota)")
     p.add_argument("--cpu-bind", default=cpu_bind_default, metavar="auto|none|LIST",
@@ -94,6 +99,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs,
                                   long_prefill_token_threshold=args.long_prefill_token_threshold,
+                                  max_long_partial_prefills=getattr(args, "max_long_partial_prefills", 0),
                                   max_queue_len=getattr(args, "max_queue_len", 0)),
         num_threads=args.num_threads,
         speculative=_speculative_config_from_args(args),

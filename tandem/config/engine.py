@@ -79,6 +79,9 @@ class SchedulerConfig:
     """Continuous batching limits per step: a token budget and a sequence cap.
 
     ``long_prefill_token_threshold`` caps one request's prefill chunk (tokens); 0 = budget only.
+    ``max_long_partial_prefills``: with a threshold, at most this many requests with more than the
+    threshold of tokens left compute at once, so short ones (prefix hits) overtake the rest (vLLM's
+    option; ``scheduler/admission.py``); 0 = no limit.
     ``max_queue_len`` bounds the engine requests waiting in the server (the core's waiting queue plus
     those being tokenized or sent); beyond it the server answers 429. 0 = unbounded.
     ``policy`` orders admission: "fcfs" (arrival order) or "priority" (``SamplingParams.priority``,
@@ -88,6 +91,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     long_prefill_token_threshold: int = 0
+    max_long_partial_prefills: int = 0
     max_queue_len: int = DEFAULT_MAX_QUEUE_LEN
     policy: str = "fcfs"
 
@@ -98,6 +102,8 @@ class SchedulerConfig:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.long_prefill_token_threshold < 0:
             raise ConfigError("long_prefill_token_threshold must be >= 0")
+        if self.max_long_partial_prefills < 0:
+            raise ConfigError("max_long_partial_prefills must be >= 0")
         if self.max_queue_len < 0:
             raise ConfigError("max_queue_len must be >= 0")
         if self.policy not in SCHEDULING_POLICIES:

@@ -16,8 +16,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import llguidance
-import llguidance.hf
-import llguidance.torch
 import torch
 
 from tandem.sampling_params import StructuredOutputsParams
@@ -36,28 +34,41 @@ def make_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[
         ValueError: a slow (non-``tokenizers``) tokenizer.
     """
     eos = sorted(eos_token_ids) or None
+    import llguidance.hf  # imports transformers; only needed once a grammar is compiled
+
     return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
 
 
 class Grammar:
     """One request's matcher (llguidance ``LLMatcher``): which tokens may come next, and the tokens so far.
 
-    ``accept`` advances it over sampled tokens; an invalid token (never sampled under its mask) puts
-    it in an error state where only EOS is allowed, which ends the request. ``is_stopped``: only EOS
-    may follow (the text is complete and cannot grow).
+    ``accept`` advances it over sampled tokens. ``error``: why the matcher failed (None while it
+    works): it failed to build, hit one of llguidance's limits (``a{500000}`` exceeds its lexer's:
+    "lexer error: too many expressions constructed") or was fed a token it forbids. A failed matcher
+    allows only EOS, so the text would end unconstrained; the runner ends such a request with an
+    error instead (``ModelRunnerOutput.failed``). ``is_stopped``: only EOS may follow (the text is
+    complete and cannot grow).
     """
 
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self.matcher = matcher
+        self.error: str | None = None
+        self.check_error()
+
+    def check_error(self) -> str | None:
+        """Records the matcher's error, if it has one (the first line of llguidance's message)."""
+        if self.error is None and self.matcher.is_error():
+            self.error = self.matcher.get_error().splitlines()[0] or "the grammar matcher failed"
+        return self.error
 
     def accept(self, token_ids: list[int]) -> None:
-        """Consumes ``token_ids`` (changes the matcher's state; logs if one was not allowed). Tokens after
+        """Consumes ``token_ids``; changes the matcher's state, and ``error`` when one fails. Tokens after
         the grammar stopped (the EOS that ends the request) are not fed to it."""
         for token in token_ids:
-            if self.matcher.is_stopped():
+            if self.error is not None or self.matcher.is_stopped():
                 return
             if not self.matcher.consume_token(token):
-                logger.warning("a token outside the grammar was accepted: %s", self.matcher.get_error())
+                self.check_error()
                 return
 
     def valid_prefix(self, token_ids: list[int]) -> int:
@@ -75,27 +86,43 @@ def fill_bitmask(grammars: list[Grammar], bitmask: torch.Tensor, drafts: list[li
     consecutive rows: the mask now, then after each draft token while the drafts stay valid (the
     matcher is advanced over them, then rolled back); rows after an invalid draft keep their content
     (that draft is masked out, so verification rejects it and never reads them).
-    Changes: ``bitmask`` only (matchers end where they started).
+    Changes: ``bitmask``, and the ``error`` of a grammar whose matcher failed meanwhile (a limit);
+    the other matchers end where they started.
     """
     row = 0
     for i, grammar in enumerate(grammars):
         matcher = grammar.matcher
         row_drafts = drafts[i] if drafts is not None else []
-        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
+        _fill_row(matcher, bitmask, row)
         consumed = 0
         for token in row_drafts:
             if matcher.validate_tokens([token]) != 1 or not matcher.consume_token(token):
                 break
             consumed += 1
-            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row + consumed)
+            _fill_row(matcher, bitmask, row + consumed)
         if consumed:
             matcher.rollback(consumed)
+        grammar.check_error()
         row += 1 + len(row_drafts)
+
+
+def _fill_row(matcher: llguidance.LLMatcher, bitmask: torch.Tensor, row: int) -> None:
+    """Write ``matcher``'s next-token mask into ``bitmask[row]`` (contiguous int32 words).
+
+    What ``llguidance.torch.fill_next_token_bitmask`` does, without importing that module: it
+    decorates a function with ``torch.compile`` at import, which loads torch._dynamo (about 4 s of
+    every server start-up).
+    Raises: ValueError when ``bitmask`` is not int32 or its row is not contiguous.
+    """
+    words = bitmask[row]
+    if bitmask.dtype != torch.int32 or not words.is_contiguous():
+        raise ValueError(f"bitmask must be a contiguous int32 [rows, words] tensor, got {bitmask.dtype}")
+    matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """``[rows, ceil(vocab_size / 32)]`` int32, all bits set (every token allowed)."""
-    return torch.full(llguidance.torch.get_bitmask_shape(rows, vocab_size), -1, dtype=torch.int32)
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
 
 class GrammarCompiler:
@@ -134,9 +161,12 @@ class GrammarCompiler:
                 self.num_cache_hits += 1
                 return Grammar(template.deep_copy())
         matcher = llguidance.LLMatcher(self._tokenizer(eos_token_ids), text, log_level=0)
+        # NOTE: the first mask builds the lexer's states over the vocabulary (0.5 s for a{500000} with a
+        # 512-token vocabulary, 0.08 s after); built here, not in the engine's first step with it.
+        _fill_row(matcher, allocate_bitmask(1, self.vocab_size), 0)
         if matcher.is_error():
-            # NOTE: the edge checked this grammar; a failure here leaves a matcher that allows only EOS.
-            logger.error("grammar failed to build: %s", matcher.get_error())
+            # NOTE: the edge checked this grammar; the runner ends the request with this error.
+            logger.error("grammar failed to build: %s", matcher.get_error().splitlines()[0])
             return Grammar(matcher)
         with self._lock:
             self._cache[key] = matcher.deep_copy()

@@ -5,7 +5,9 @@ Each step hands out at most ``max_num_batched_tokens`` tokens so requests catch 
 1 token, a prompt for a chunk. Running requests go first, in order; when the KV pool runs out the
 newest running request is preempted (its blocks freed, recomputed later). Then waiting requests are
 admitted in the policy's order (``policies.py``: FCFS or priority), reusing prefix-cache hits and
-skipping requests that are not ready yet (remote KV on the wire, a grammar compiling). Chunked
+skipping requests that are not ready yet (remote KV on the wire, a grammar compiling) or that the
+``AdmissionGate`` holds back (``admission.py``: their prefix is being computed by a running request, or
+too many long prompts run already). Chunked
 prefill, prefix hits and preemption all fall out of the two counters. The scheduler never touches
 tensors.
 
@@ -35,6 +37,7 @@ from tandem.outputs import (
     SchedulerOutput,
 )
 from tandem.request import Request, RequestStatus
+from tandem.scheduler.admission import AdmissionGate
 from tandem.scheduler.integrity import check_scheduler
 from tandem.scheduler.planning import TokenPlanner, make_row
 from tandem.scheduler.policies import make_waiting_queue
@@ -83,6 +86,7 @@ class Scheduler(RemoteKVMixin):
         self.running: list[Request] = []  # RUNNING, in admission order (last = newest)
         self.remote_kv_tokens: dict[str, int] = {}  # WAITING_FOR_REMOTE_KV id -> tokens whose KV will arrive
         self._finished_ids: set[str] = set()  # finished or aborted since the last schedule()
+        self.failed: list[tuple[str, str]] = []  # (id, why) ended by a runner failure, drained by the engine
         self.num_preemptions_total = 0
         self.num_steps = 0  # steps whose results were applied (update_from_output)
         spec = speculative_config
@@ -241,19 +245,25 @@ class Scheduler(RemoteKVMixin):
         self.waiting.add_preempted(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        gate = AdmissionGate(self.running, self.block_size, self.kv_cache_manager.enable_prefix_caching,
+                             self.config.long_prefill_token_threshold, self.config.max_long_partial_prefills)
         for request in self.waiting:  # a snapshot, in policy order
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
             if not request.is_ready():
                 continue  # skipped, keeps its place, blocks nobody
-            n = self._admit(out, request, budget)
+            n = self._admit(out, request, budget, gate)
+            if n is None:
+                continue  # held back by the gate (admission.py), keeps its place
             if n == 0:
                 return  # no ready request overtakes one that does not fit
             budget -= n
 
-    def _admit(self, out: SchedulerOutput, request: Request, budget: int) -> int:
-        """Moves a ready waiting request to running with its first chunk; returns its tokens (0: no room)."""
+    def _admit(self, out: SchedulerOutput, request: Request, budget: int, gate: AdmissionGate) -> int | None:
+        """Moves a ready waiting request to running with its first chunk; returns its tokens (0: no room,
+        None: ``gate`` holds it back this step)."""
         kv = self.kv_cache_manager
+        may_hit = False
         if request.num_computed_tokens > 0:  # its first tokens' KV came from elsewhere, blocks owned
             hit_ids, num_hit, start = [], 0, request.num_computed_tokens
         elif request.sampling_params.prompt_logprobs is not None and not request.output_token_ids:
@@ -261,7 +271,9 @@ class Scheduler(RemoteKVMixin):
             hit_ids, num_hit, start = [], 0, 0
         else:
             hit_ids, num_hit = kv.get_computed_blocks(request)
-            start = num_hit
+            start, may_hit = num_hit, True
+        if gate.holds_back(request, start, hit_possible=may_hit):
+            return None
         n = self.planner.chunk_size(request, start, budget)
         num_slots = n + self.planner.num_lookahead(request, start, n)
         block_ids = kv.allocate_slots(request, num_slots, hit_ids, num_hit)
@@ -279,6 +291,7 @@ class Scheduler(RemoteKVMixin):
         request.num_computed_tokens = start
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        gate.admitted(request, start)
         out.scheduled.append(make_row(request, n, block_ids))
         return n
 
@@ -303,7 +316,8 @@ class Scheduler(RemoteKVMixin):
         runner's new drafts), draft counters, status and ``stop_reason`` of the scheduled requests and
         ``spec_stats``; registers the full blocks the step wrote in the prefix cache; frees finished
         requests' blocks at once (or holds them under ``request.kv_lease_id``) and queues their ids
-        for the next ``finished_request_ids``; ``num_steps``.
+        for the next ``finished_request_ids``; ``num_steps``. Requests in ``runner_output.failed``
+        are aborted (their tokens dropped, blocks freed) and listed in ``failed``.
         """
         self.num_steps += 1
         outputs: list[EngineCoreOutput] = []
@@ -312,6 +326,8 @@ class Scheduler(RemoteKVMixin):
             request = self.requests.get(row.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted since schedule()
+            if row.request_id in runner_output.failed:
+                continue  # NOTE: ended below, as an abort (its blocks freed, none registered)
             sampled = runner_output.sampled_token_ids.get(row.request_id, [])
             assert row.sample or not sampled, f"runner sampled for {row.request_id} without sample=True"
             num_rejected = verify_counts(request, row, sampled, self.spec_stats)
@@ -326,7 +342,14 @@ class Scheduler(RemoteKVMixin):
                 outputs.append(make_output(request, new_token_ids, runner_output))
         if any_finished:
             self.running = [r for r in self.running if not r.status.finished]
+        self._fail(runner_output.failed)
         return outputs
+
+    def _fail(self, failed: dict[str, str]) -> None:
+        """Aborts the requests the runner could not go on with and lists them in ``failed``."""
+        ids = [rid for rid in failed if rid in self.requests]
+        self.abort_requests(ids)
+        self.failed.extend((rid, failed[rid]) for rid in ids)
 
     def _free_finished(self, request: Request) -> None:
         if request.kv_lease_id is not None:

@@ -143,6 +143,18 @@ def write_tokenizer_metadata(writer: gguf.GGUFWriter, bpe: Tokenizer, pre: str) 
     writer.add_chat_template(CHATML)
 
 
+def write_shape_metadata(writer: gguf.GGUFWriter, cfg) -> None:
+    """The name and the model-shape keys every llama.cpp converter writes (from an HF config)."""
+    writer.add_name("tiny")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+
+
 def write_gguf(
     path,
     model,
@@ -155,14 +167,7 @@ def write_gguf(
     """Write `model` like llama.cpp: 1-D tensors as F32, 2-D as `matrix_type` (or raw blocks from `raw`)."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name("tiny")
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    write_shape_metadata(writer, cfg)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     if arch == "llama":
         writer.add_rope_dimension_count(cfg.head_dim)

@@ -230,5 +230,6 @@ def test_olmoe_gguf_is_refused_by_name(tmp_path, bpe):  # noqa: F811
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(UnsupportedGGUFError, match="'olmoe' is not supported; supported: llama, qwen2, qwen3, qwen2m"):
+    with pytest.raises(UnsupportedGGUFError, match="'olmoe' is not supported; supported: llama, qwen2, qwen3, gemma2, "
+                       "gemma3, phi3, qwen2m"):
         convert_gguf(tmp_path / "o.gguf", tmp_path / "hf", progress=False)
