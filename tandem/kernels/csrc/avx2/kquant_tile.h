@@ -188,6 +188,20 @@ inline void q6k_sub(const uint8_t* const* blk, const __m256i (*sv)[8], const Q8K
   }
 }
 
+// sv[S] = the int16 scales of sub-block S's two halves: 8 x sc[2S] (low 128 bits), 8 x sc[2S + 1] (high), from
+// the 16 scales widened to int16 (sc16): one in-lane byte shuffle each of sc[0..7] or sc[8..15] in both halves.
+inline void q6k_scale_pairs(__m256i sc16, __m256i* sv) {
+  const __m256i lo = _mm256_permute2x128_si256(sc16, sc16, 0x00), hi = _mm256_permute2x128_si256(sc16, sc16, 0x11);
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    const char a = static_cast<char>(4 * k), b = static_cast<char>(4 * k + 2);
+    const __m256i pick = _mm256_setr_epi8(a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1,
+                                          b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1);
+    sv[k] = _mm256_shuffle_epi8(lo, pick);
+    sv[k + 4] = _mm256_shuffle_epi8(hi, pick);
+  }
+}
+
 template <int MB, int RB, class Out>
 void tile_q6k(const Weights& w, const Q8K& a, int64_t m0, int64_t row0, const NextRows& pf, const Out& out) {
   __m256 acc[MB * RB];
@@ -199,9 +213,8 @@ void tile_q6k(const Weights& w, const Q8K& a, int64_t m0, int64_t row0, const Ne
     __m256i sc16[RB];
     for (int r = 0; r < RB; ++r) {
       blk[r] = w.q + (row0 + r) * w.ldq + 208 * b;
-      const int8_t* sc = reinterpret_cast<const int8_t*>(blk[r] + 192);
-      for (int s = 0; s < 8; ++s) sv[r][s] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * s + 1]), _mm_set1_epi16(sc[2 * s]));
-      sc16[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+      sc16[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[r] + 192)));
+      q6k_scale_pairs(sc16[r], sv[r]);
     }
     __m256i sumi[MB * RB];
     for (int i = 0; i < MB * RB; ++i) sumi[i] = _mm256_setzero_si256();
