@@ -24,7 +24,9 @@ class KVTransferConfig:
     """Disaggregated prefill/decode (``tandem/disagg``), spelled as vLLM's ``--kv-transfer-config``.
 
     ``kv_role``: "kv_producer" (prefill side: serves its held KV blocks on ``kv_ip:kv_port``),
-    "kv_consumer" (decode side: pulls them), "kv_both". ``engine_id``: this engine's name in
+    "kv_consumer" (decode side: pulls them), "kv_both". ``kv_data_port``: where the producer takes the
+    data connections that carry the block bytes (``disagg/data_channel.py``; 0: a free port, which the
+    handshake announces). ``engine_id``: this engine's name in
     ``kv_transfer_params`` (None: a uuid at start). ``secret`` / ``secret_file``: the shared secret both
     sides prove in the handshake (else ``$TANDEM_KV_SECRET``); required to bind a non-loopback
     ``kv_ip``. ``prefill_failure_policy``: "local" prefills on the decode side when the producer is
@@ -40,6 +42,7 @@ class KVTransferConfig:
     kv_role: str = "kv_both"
     kv_ip: str = "127.0.0.1"
     kv_port: int = 14579
+    kv_data_port: int = 0
     engine_id: str | None = None
     secret: str | None = None
     secret_file: str | None = None
@@ -59,6 +62,8 @@ class KVTransferConfig:
                               f"got {self.prefill_failure_policy!r}")
         if not is_int(self.kv_port) or not 1 <= self.kv_port <= 65535:
             raise ConfigError(f"kv_port must be 1-65535, got {self.kv_port!r}")
+        if not is_int(self.kv_data_port) or not 0 <= self.kv_data_port <= 65535:
+            raise ConfigError(f"kv_data_port must be 0 (any free port) or 1-65535, got {self.kv_data_port!r}")
         for name in ("lease_ttl_s", "transfer_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:

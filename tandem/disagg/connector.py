@@ -114,8 +114,8 @@ class TandemConnector:
         secret = config.shared_secret()
         scheduler.kv_cache_manager.leases.ttl_s = config.lease_ttl_s
         self.server = KVTransferServer(self.ctx, config.kv_ip, config.kv_port, identity, secret, self.engine_id,
-                                       scheduler.kv_cache_manager, runner.kv_cache_groups) \
-            if config.is_producer else None
+                                       scheduler.kv_cache_manager, runner.kv_cache_groups, config.kv_data_port,
+                                       config.transfer_timeout_s) if config.is_producer else None
         self.puller = KVPuller(self.ctx, identity, secret, runner.kv_cache_groups, config.transfer_timeout_s) \
             if config.is_consumer else None
         self.peers = config.prefill_peers() if config.is_consumer else None

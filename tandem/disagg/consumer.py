@@ -1,21 +1,23 @@
 """The decode side's KV puller: one background thread that fetches remote blocks into the local cache.
 
-The engine thread queues work (``submit``, ``renew``, ``release``); the thread owns every socket (one
-DEALER per prefill engine, with the ``messages`` handshake done once per connection), pulls layer by
-layer and writes each layer into the request's local blocks as it arrives (``index_copy_`` on the
-blocks the scheduler allocated for it; no step reads them while the request waits for remote KV).
-Finished pulls are reported through ``results()``, and a byte on the ``wake`` socket wakes an idle
-engine loop. A producer that stays silent for ``timeout_s`` (dead, unreachable, killed mid-transfer)
-fails the pull and its connection is dropped, so late frames can never land in reused blocks.
+The engine thread queues work (``submit``, ``renew``, ``release``); the thread owns every socket (per
+prefill engine one DEALER, with the ``messages`` handshake done once per connection, and its data
+connection, ``data_channel.py``), sends the pull and receives each layer's bytes straight into the
+request's local blocks (``recv_into`` views of the blocks the scheduler allocated for it, one per run
+of consecutive ids; scattered ids go through one reused buffer and one numpy copy; no step reads the
+blocks while the request waits for remote KV). Finished pulls are reported through ``results()``, and
+a byte on the ``wake`` socket wakes an idle engine loop. A producer that closes the data connection
+(killed: its kernel closes it) fails the pull at once, one that stays silent for ``timeout_s`` fails
+it then; either way both connections are dropped, so late bytes can never land in reused blocks.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 import zmq
 
+from tandem.disagg.data_channel import DATA, DONE, FAIL, HEADER, set_timeouts
 from tandem.disagg.messages import (
     KVAdmitted,
     KVChallenge,
@@ -32,18 +35,17 @@ from tandem.disagg.messages import (
     KVIdentity,
     KVProof,
     KVRefused,
-    LayerHeader,
-    PullDone,
-    PullError,
     PullKV,
     ReleaseLeases,
     RenewLeases,
     ToConsumer,
 )
 from tandem.engine.handshake import sign
-from tandem.kv_cache.transfer import write_rows
+from tandem.kv_cache.transfer import as_rows, write_rows
 
 logger = logging.getLogger(__name__)
+
+MAX_DIRECT_RUNS = 8  # a layer's destination in at most this many runs of blocks is received in place
 
 
 class TransferError(Exception):
@@ -93,6 +95,8 @@ class KVPuller:
         self._commands: queue.Queue = queue.Queue()
         self._results: queue.Queue[PullResult] = queue.Queue()
         self._peers: dict[tuple[str, int], zmq.Socket] = {}
+        self._data: dict[tuple[str, int], socket.socket] = {}  # each peer's data connection
+        self._staging = np.empty(0, dtype=np.uint8)  # reused for blocks that are not one run
         self._unreachable: dict[tuple[str, int], tuple[str, float]] = {}  # a renew's failed handshake: why, when
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(ToConsumer)
@@ -145,8 +149,8 @@ class KVPuller:
                 continue
             self._results.put(self._pull(command[1]))
             self._wake_sender.send(b"", zmq.NOBLOCK)
-        for sock in self._peers.values():
-            sock.close(linger=0)
+        for address in list(self._peers):
+            self._drop(address)
         self._wake_sender.close(linger=0)
 
     def _send_quietly(self, address: tuple[str, int], message: Any) -> None:
@@ -185,12 +189,14 @@ class KVPuller:
             return None
         return failure[0]
 
-    def _recv(self, sock: zmq.Socket, what: str) -> tuple[Any, list[zmq.Frame]]:
+    def _silent(self, what: str) -> TransferError:
+        return TransferError(f"the prefill engine sent nothing for {self.timeout_ms / 1000:g} s ({what})")
+
+    def _recv(self, sock: zmq.Socket, what: str) -> Any:
         if not sock.poll(self.timeout_ms):
-            raise TransferError(f"the prefill engine sent nothing for {self.timeout_ms / 1000:g} s ({what})")
-        frames = sock.recv_multipart(copy=False)
+            raise self._silent(what)
         try:
-            return self._decoder.decode(frames[0].buffer), frames[1:]
+            return self._decoder.decode(sock.recv())
         except msgspec.DecodeError as e:
             raise TransferError(f"unreadable reply from the prefill engine: {e}") from None
 
@@ -206,66 +212,132 @@ class KVPuller:
         sock.connect(f"tcp://{host}:{address[1]}")
         try:
             sock.send(self._encoder.encode(KVHello(self.identity)))
-            reply, _ = self._recv(sock, "handshake")
+            reply = self._recv(sock, "handshake")
             if isinstance(reply, KVChallenge):
                 mac = sign(self.secret, reply.nonce) if self.secret is not None else b""
                 sock.send(self._encoder.encode(KVProof(mac)))
-                reply, _ = self._recv(sock, "handshake")
+                reply = self._recv(sock, "handshake")
             if isinstance(reply, KVRefused):
                 raise TransferError(f"the prefill engine at {address[0]}:{address[1]} refused this decode "
                                     f"engine: {reply.reason}")
             if not isinstance(reply, KVAdmitted):
                 raise TransferError(f"unexpected handshake reply {type(reply).__name__}")
+            self._data[address] = self._connect_data(address[0], reply)
         except BaseException:
             sock.close(linger=0)
             raise
         self._peers[address] = sock
         return sock
 
+    def _connect_data(self, host: str, admitted: KVAdmitted) -> socket.socket:
+        """The data connection the producer announced, after sending its token."""
+        try:
+            data = socket.create_connection((host, admitted.data_port), timeout=self.timeout_ms / 1000)
+            data.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_timeouts(data, self.timeout_ms / 1000)
+            data.sendall(admitted.data_token)
+        except OSError as e:
+            raise TransferError(f"cannot open the KV data connection to {host}:{admitted.data_port}: {e}") from None
+        return data
+
     def _drop(self, address: tuple[str, int]) -> None:
         sock = self._peers.pop(address, None)
         if sock is not None:
             sock.close(linger=0)
+        data = self._data.pop(address, None)
+        if data is not None:
+            data.close()
 
     def _fetch(self, sock: zmq.Socket, job: PullJob) -> int:
-        """Sends the pull and writes each arriving layer; returns the bytes received."""
+        """Sends the pull and receives every layer into the job's blocks; returns the bytes received."""
+        data = self._data[(job.host, job.port)]
         xfer_id = next(self._xfer_ids)
         sock.send(self._encoder.encode(PullKV(xfer_id, job.lease_id, job.remote_block_ids, job.generations)))
+        self._await_reply(sock, data)
+        magic, got_id, size = HEADER.unpack(_recv_bytes(data, HEADER.size, "KV blocks", self._silent))
+        if got_id != xfer_id:
+            raise TransferError(f"the data connection is out of step (reply to pull {got_id}, expected {xfer_id})")
+        if magic == FAIL:
+            reason = _recv_bytes(data, size, "KV blocks", self._silent).decode(errors="replace")
+            raise TransferError(f"the prefill engine refused the pull: {reason}")
         caches = self.kv_cache_groups()
-        expected = {(c, layer) for c, layers in enumerate(caches) for layer in range(len(layers))}
+        expected = len(job.local_block_ids) * sum(c[0].nbytes for layers in caches for pair in layers for c in pair)
+        if magic != DATA or size != expected:
+            raise TransferError(f"unexpected reply {magic!r} of {size} bytes to a pull of {expected} bytes")
         index = np.asarray(job.local_block_ids, dtype=np.int64)
-        num_bytes = 0
-        while True:
-            reply, frames = self._recv(sock, "KV blocks")
-            if getattr(reply, "xfer_id", xfer_id) != xfer_id:
-                continue  # NOTE: a late reply to an earlier pull on this connection
-            if isinstance(reply, PullError):
-                raise TransferError(f"the prefill engine refused the pull: {reply.reason}")
-            if isinstance(reply, PullDone):
-                if expected:
-                    raise TransferError(f"the transfer ended with {len(expected)} layers missing")
-                return num_bytes
-            if not isinstance(reply, LayerHeader) or len(frames) != 2 or (reply.cache, reply.layer) not in expected:
-                raise TransferError(f"unexpected message {type(reply).__name__} during a pull")
-            k, v = caches[reply.cache][reply.layer]
-            shape = (len(job.local_block_ids), *k.shape[1:])
-            if tuple(reply.shape) != shape:
-                raise TransferError(f"layer {reply.layer}: blocks of shape {reply.shape}, expected {list(shape)}")
-            for cache, frame in ((k, frames[0]), (v, frames[1])):
-                write_rows(cache, index, _as_tensor(frame, cache.dtype, shape))
-                num_bytes += len(frame.buffer)
-            expected.discard((reply.cache, reply.layer))
+        runs = _runs(job.local_block_ids)
+        received = 0
+        for layers in caches:
+            for pair in layers:
+                for cache in pair:
+                    received += self._recv_frame(data, cache, index, runs)
+        end = _recv_bytes(data, HEADER.size, "KV blocks", self._silent)
+        if end != HEADER.pack(DONE, xfer_id, size):
+            raise TransferError(f"the pull ended without its trailer ({end[:4]!r} after {received} bytes)")
+        return received
+
+    def _await_reply(self, sock: zmq.Socket, data: socket.socket) -> None:
+        """Waits until the data connection has bytes (or is closed); a refusal on ``sock`` raises."""
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(data, zmq.POLLIN)
+        deadline = time.monotonic() + self.timeout_ms / 1000
+        while (left := deadline - time.monotonic()) > 0:
+            ready = dict(poller.poll(left * 1000))
+            if data.fileno() in ready:
+                return
+            if sock in ready:
+                reply = self._recv(sock, "KV blocks")
+                if isinstance(reply, KVRefused):
+                    raise TransferError(f"the prefill engine refused this decode engine: {reply.reason}")
+        raise self._silent("KV blocks")
+
+    def _recv_frame(self, data: socket.socket, cache: torch.Tensor, index: np.ndarray,
+                    runs: list[tuple[int, int]]) -> int:
+        """Receives one layer's K (or V) of the pulled blocks into ``cache``; returns its bytes."""
+        row = cache[0].nbytes
+        if cache.is_contiguous() and len(runs) <= MAX_DIRECT_RUNS:
+            rows = as_rows(cache)
+            for start, length in runs:
+                _recv_into(data, memoryview(rows[start:start + length]).cast("B"), "KV blocks", self._silent)
+            return row * len(index)
+        n = row * len(index)
+        if self._staging.nbytes < n:
+            self._staging = np.empty(n, dtype=np.uint8)
+        _recv_into(data, memoryview(self._staging[:n]), "KV blocks", self._silent)
+        rows = torch.from_numpy(self._staging[:n]).view(cache.dtype).view(len(index), *cache.shape[1:])
+        write_rows(cache, index, rows)
+        return n
 
 
-def _as_tensor(frame: zmq.Frame, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A view of a received frame as a ``shape`` tensor of ``dtype`` (no copy).
+def _runs(block_ids: list[int]) -> list[tuple[int, int]]:
+    """``block_ids`` as ``(first id, length)`` runs of consecutive ids, in order."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
 
-    Raises: TransferError: the frame's size does not match.
-    """
-    size = torch.empty((), dtype=dtype).element_size()
-    if len(frame.buffer) != size * int(torch.Size(shape).numel()):
-        raise TransferError(f"a KV frame of {len(frame.buffer)} bytes does not hold {list(shape)} {dtype}")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # NOTE: the frame is read-only; the tensor is only read
-        raw = torch.frombuffer(frame.buffer, dtype=torch.uint8)
-    return raw.view(dtype).view(shape)
+
+def _recv_into(sock: socket.socket, view: memoryview, what: str, silent: Callable[[str], Exception]) -> None:
+    """Fills ``view`` from ``sock``. Raises TransferError: the peer closed the connection or went silent."""
+    got, n = 0, view.nbytes
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:])
+        except (TimeoutError, BlockingIOError):  # NOTE: SO_RCVTIMEO passed with no byte
+            raise silent(what) from None
+        except OSError as e:
+            raise TransferError(f"the KV data connection failed after {got} of {n} bytes: {e}") from None
+        if k == 0:
+            raise TransferError(f"the prefill engine closed the KV data connection after {got} of {n} bytes "
+                                f"({what}; it died or dropped this decode engine)")
+        got += k
+
+
+def _recv_bytes(sock: socket.socket, n: int, what: str, silent: Callable[[str], Exception]) -> bytes:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf), what, silent)
+    return bytes(buf)

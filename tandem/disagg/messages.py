@@ -3,20 +3,19 @@
 Handshake: the decode side sends ``KVHello`` with its ``KVIdentity``; the producer answers
 ``KVRefused`` when the identity differs (naming the fields) or ``KVChallenge`` with a fresh nonce;
 the decode side answers ``KVProof`` (HMAC-SHA256 of the nonce under the shared secret,
-``engine/handshake.sign``) and gets ``KVAdmitted`` or ``KVRefused``. Only an admitted peer may
-``PullKV``, ``RenewLeases`` and ``ReleaseLeases``.
+``engine/handshake.sign``) and gets ``KVAdmitted`` (with the port and one-time token of its data
+connection) or ``KVRefused``. Only an admitted peer may ``PullKV``, ``RenewLeases`` and ``ReleaseLeases``.
 
-A pull is answered layer by layer: per cache (0 the target model, 1 the draft model) and layer one
-multipart message ``[LayerHeader, K bytes, V bytes]`` (zero-copy frames; each is the layer's
-``[n_blocks, block_size, kv_heads, head_dim]`` slice of the requested blocks, in the cache dtype),
-then ``PullDone``; or ``PullError`` at any point. msgpack via msgspec, never pickle.
+A pull is answered on the peer's data connection (``data_channel.py``: a header, every layer's K and V
+bytes straight from and into the caches, a trailer; or an error reason), not here. msgpack via msgspec,
+never pickle.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-KV_PROTOCOL_VERSION = 1
+KV_PROTOCOL_VERSION = 2  # 2: block bytes on a data connection (data_channel.py)
 
 
 class KVIdentity(msgspec.Struct, frozen=True):
@@ -66,7 +65,11 @@ class KVProof(msgspec.Struct, tag="kv_proof"):
 
 
 class KVAdmitted(msgspec.Struct, tag="kv_admitted"):
+    """Admitted: open a TCP connection to ``data_port`` (on the same host) and send ``data_token`` first."""
+
     engine_id: str
+    data_port: int
+    data_token: bytes
 
 
 class KVRefused(msgspec.Struct, tag="kv_refused"):
@@ -75,29 +78,12 @@ class KVRefused(msgspec.Struct, tag="kv_refused"):
 
 class PullKV(msgspec.Struct, tag="pull"):
     """Send the KV of ``block_ids`` (a subset of the lease's blocks, each at the generation the prefill
-    leg reported) and renew the lease. ``xfer_id`` tags every reply."""
+    leg reported) and renew the lease. ``xfer_id`` tags the reply on the data connection."""
 
     xfer_id: int
     lease_id: str
     block_ids: list[int]
     generations: list[int]
-
-
-class LayerHeader(msgspec.Struct, tag="layer"):
-    xfer_id: int
-    cache: int
-    layer: int
-    shape: list[int]
-
-
-class PullDone(msgspec.Struct, tag="pull_done"):
-    xfer_id: int
-    num_bytes: int
-
-
-class PullError(msgspec.Struct, tag="pull_error"):
-    xfer_id: int
-    reason: str
 
 
 class RenewLeases(msgspec.Struct, tag="renew"):
@@ -109,4 +95,4 @@ class ReleaseLeases(msgspec.Struct, tag="release"):
 
 
 ToProducer = KVHello | KVProof | PullKV | RenewLeases | ReleaseLeases
-ToConsumer = KVChallenge | KVAdmitted | KVRefused | LayerHeader | PullDone | PullError
+ToConsumer = KVChallenge | KVAdmitted | KVRefused

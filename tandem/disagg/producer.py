@@ -1,9 +1,11 @@
 """The prefill side's KV transfer server: a ZeroMQ ROUTER on ``kv_ip:kv_port`` serving held blocks.
 
 It runs on the engine-core thread, between steps (``serve_pending``): the lease table and the block
-generations it checks are then exactly what the scheduler sees, and no step can reuse a block while
-it is being read. Reading a pull's blocks is one ``index_select`` per layer; the bytes are handed to
-ZeroMQ without a copy (``copy=False``) and go out on its I/O thread while the engine steps on.
+generations it checks are then exactly what the scheduler sees. A pull that passes is handed to the
+peer's data connection (``data_channel.KVDataServer``, its own thread) as views of the held blocks
+(a run of consecutive ids is one view per layer; scattered ids are gathered on that thread), so the
+engine steps on while the bytes go out, and the lease (renewed by the pull) keeps the blocks from reuse
+for longer than the reply may take (its ``deadline``: half the lease).
 
 Who may pull: a peer that sent ``KVHello`` with a matching ``KVIdentity`` and proved the shared
 secret for a fresh nonce (``engine/handshake.sign``). Everything else is refused, logged and counted
@@ -15,6 +17,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +26,7 @@ import numpy as np
 import torch
 import zmq
 
+from tandem.disagg.data_channel import Gather, KVDataServer, SendJob
 from tandem.disagg.messages import (
     KV_PROTOCOL_VERSION,
     KVAdmitted,
@@ -31,9 +35,6 @@ from tandem.disagg.messages import (
     KVIdentity,
     KVProof,
     KVRefused,
-    LayerHeader,
-    PullDone,
-    PullError,
     PullKV,
     ReleaseLeases,
     RenewLeases,
@@ -65,13 +66,16 @@ class KVTransferServer:
         kv_manager: the scheduler's ``KVCacheManager`` (leases and block generations).
         kv_cache_groups: returns the runner's caches: per model (target, then draft) its per-layer
             ``(k_cache, v_cache)`` pairs.
+        data_port: the data connections' port (``kv_data_port``; 0: a free one, sent in ``KVAdmitted``).
+        timeout_s: seconds a data connection's send may stall before it is closed.
 
     Raises:
-        zmq.ZMQError: the address cannot be bound (in use, or not an address of this host).
+        zmq.ZMQError, OSError: an address cannot be bound (in use, or not an address of this host).
     """
 
     def __init__(self, ctx: zmq.Context, host: str, port: int, identity: KVIdentity, secret: bytes | None,
-                 engine_id: str, kv_manager: Any, kv_cache_groups: Callable[[], list[list[Any]]]) -> None:
+                 engine_id: str, kv_manager: Any, kv_cache_groups: Callable[[], list[list[Any]]],
+                 data_port: int = 0, timeout_s: float = 10.0) -> None:
         self.identity = identity
         self.secret = secret
         self.engine_id = engine_id
@@ -82,17 +86,28 @@ class KVTransferServer:
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # NOTE: a reply to a vanished peer raises, not drops
         self.socket.setsockopt(zmq.SNDHWM, 0)  # NOTE: a slow reader must never block the engine thread
         self.socket.bind(f"tcp://{host}:{port}")
+        try:
+            self.data = KVDataServer(host, data_port, timeout_s)
+        except OSError:
+            self.socket.close(linger=0)
+            raise
         self.decoder = msgspec.msgpack.Decoder(ToProducer)
         self.encoder = msgspec.msgpack.Encoder()
         self._nonces: dict[bytes, bytes] = {}  # peer -> nonce of its pending handshake
         self._admitted: set[bytes] = set()
-        self.num_refused = 0
+        self._num_refused = 0
         self.num_pulls = 0
         self.num_bytes_sent = 0
         self.num_pull_errors = 0
 
+    @property
+    def num_refused(self) -> int:
+        """Peers refused: handshakes, unauthenticated messages, data connections without a valid token."""
+        return self._num_refused + self.data.num_refused
+
     def close(self) -> None:
         self.socket.close(linger=0)
+        self.data.close()
 
     def serve_pending(self) -> int:
         """Handles every queued message without blocking; returns how many.
@@ -143,7 +158,7 @@ class KVTransferServer:
         self.socket.send_multipart([peer, self.encoder.encode(message), *frames], copy=False)
 
     def _refuse(self, peer: bytes, reason: str) -> None:
-        self.num_refused += 1
+        self._num_refused += 1
         self._nonces.pop(peer, None)
         self._admitted.discard(peer)
         logger.warning("KV transfer: refused a peer: %s (%d refused so far)", reason, self.num_refused)
@@ -176,7 +191,7 @@ class KVTransferServer:
         if len(self._admitted) >= MAX_PEERS:
             self._admitted.pop()
         self._admitted.add(peer)
-        self._send(peer, KVAdmitted(self.engine_id))
+        self._send(peer, KVAdmitted(self.engine_id, self.data.port, self.data.issue_token(peer)))
 
     def _check_pull(self, pull: PullKV) -> str | None:
         """Why ``pull`` cannot be served, or None. Renews its lease when it can."""
@@ -200,21 +215,27 @@ class KVTransferServer:
         if reason is not None:
             self.num_pull_errors += 1
             logger.warning("KV transfer: refused a pull: %s", reason)
-            self._send(peer, PullError(pull.xfer_id, reason))
+            self._reply(peer, SendJob(pull.xfer_id, [], 0.0, reason))
             return
-        index = np.asarray(pull.block_ids, dtype=np.int64)
-        first, n = pull.block_ids[0], len(pull.block_ids)
-        # NOTE: consecutive ids (a fresh request's blocks usually are) are sent straight from the cache, no
-        # copy: held blocks are never written, and the pull renewed their lease for longer than a send takes.
-        run = pull.block_ids == list(range(first, first + n))
-        num_bytes = 0
-        for cache_index, layers in enumerate(self.kv_cache_groups()):
-            for layer, (k, v) in enumerate(layers):
-                shape = [n, *k.shape[1:]]
-                kb, vb = (tensor_frame(k[first:first + n]), tensor_frame(v[first:first + n])) if run else \
-                    (memoryview(as_rows(k)[index]), memoryview(as_rows(v)[index]))  # NOTE: numpy: one thread
-                self._send(peer, LayerHeader(pull.xfer_id, cache_index, layer, shape), kb, vb)
-                num_bytes += kb.nbytes + vb.nbytes
-        self._send(peer, PullDone(pull.xfer_id, num_bytes))
-        self.num_pulls += 1
-        self.num_bytes_sent += num_bytes
+        frames = self._frames(pull.block_ids)
+        # NOTE: held blocks are never written, and the pull renewed their lease: until half of it has passed
+        # the blocks cannot have been reused (the channel checks this before it ends the reply)
+        if self._reply(peer, SendJob(pull.xfer_id, frames, time.monotonic() + self.kv.leases.ttl_s / 2)):
+            self.num_pulls += 1
+            self.num_bytes_sent += sum(f.nbytes if isinstance(f, memoryview) else f.index.size * f.rows.shape[1]
+                                       for f in frames)
+
+    def _frames(self, block_ids: list[int]) -> list[memoryview | Gather]:
+        """Per cache, layer, K then V: a view of the blocks (consecutive ids) or what to gather (others)."""
+        first, n = block_ids[0], len(block_ids)
+        run = block_ids == list(range(first, first + n))
+        index = None if run else np.asarray(block_ids, dtype=np.int64)
+        return [tensor_frame(cache[first:first + n]) if run else Gather(as_rows(cache), index)
+                for layers in self.kv_cache_groups() for pair in layers for cache in pair]
+
+    def _reply(self, peer: bytes, job: SendJob) -> bool:
+        """Queues a pull's reply on the peer's data connection; a peer without one must handshake again."""
+        if self.data.send(peer, job):
+            return True
+        self._refuse(peer, "no KV data connection (closed or never opened): handshake again")
+        return False

@@ -18,6 +18,8 @@ terms and the output's bf16 rounding.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from tandem.kernels.build import load_extension, selected_variant, unsupported_reason
@@ -392,13 +394,36 @@ LINEAR_KINDS = ("bf16", "int8", "int4", "q8_0", "q4_1", "q5_0", "q4_k", "q6_k")
 LayerLinear = tuple[str, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
 
 
+class FlatLinears(NamedTuple):
+    """A layer's linears as the extension takes them (``flatten_linears``): per part its ``LINEAR_KINDS`` index,
+    weight, scale and bias, and per linear (qkv, o, gate_up, down) its number of parts."""
+
+    kinds: list[int]
+    weights: list[torch.Tensor]
+    scales: list[torch.Tensor | None]
+    biases: list[torch.Tensor | None]
+    groups: list[int]
+
+
+def flatten_linears(linears: tuple[LayerLinear | list[LayerLinear], ...]) -> FlatLinears:
+    """``decoder_layer``'s ``linears`` as ``FlatLinears`` (done once per layer by ``models.fused_plan``).
+
+    Raises:
+        ValueError: an unknown format.
+    """
+    parts = [linear if isinstance(linear, list) else [linear] for linear in linears]
+    flat = [part for group in parts for part in group]
+    return FlatLinears([LINEAR_KINDS.index(fmt) for fmt, _, _, _ in flat], [w for _, w, _, _ in flat],
+                       [s for _, _, s, _ in flat], [b for _, _, _, b in flat], [len(group) for group in parts])
+
+
 def decoder_layer(
     x: torch.Tensor,
     residual: torch.Tensor | None,
     input_norm: torch.Tensor,
     post_norm: torch.Tensor,
     eps: float,
-    linears: tuple[LayerLinear | list[LayerLinear], ...],
+    linears: tuple[LayerLinear | list[LayerLinear], ...] | FlatLinears,
     cos: torch.Tensor,
     sin: torch.Tensor,
     k_cache: torch.Tensor,
@@ -417,20 +442,19 @@ def decoder_layer(
     o, gate_up, down, each ``(format, weight, scale, bias)``: ``"bf16"`` with the weight ``[N, K]`` and no
     scale, or a ``QuantizedLinear`` format of ``LINEAR_KINDS`` with its ``qweight`` and ``scale``
     (``Linear.kernel_linear`` / ``QuantizedLinear.kernel_linear``), or a list of such parts whose outputs are
-    concatenated along N (``ConcatLinear.kernel_linear``); ``cos, sin [T, 1, head_dim]``; caches
-    ``[N, B, KV, D]``; ``meta`` an ``AttentionMetadata``. Requires ``T <= max_query_len`` and the
-    registry's limits (``registry.use("decoder_layer", tokens=T)`` and each linear's own op).
+    concatenated along N (``ConcatLinear.kernel_linear``); or all four already flattened (``FlatLinears``);
+    ``cos, sin [T, 1, head_dim]``; caches ``[N, B, KV, D]``; ``meta`` an ``AttentionMetadata``. Requires
+    ``T <= max_query_len`` and the registry's limits (``registry.use("decoder_layer", tokens=T)`` and each
+    linear's own op).
 
     Changes: overwrites ``x`` and ``residual`` in place; writes this step's K/V into the caches.
 
     Raises:
         ValueError: an unknown format. RuntimeError: wrong dtypes, shapes or layouts (raised by the kernels).
     """
-    parts = [linear if isinstance(linear, list) else [linear] for linear in linears]
-    flat = [part for group in parts for part in group]
-    kinds = [LINEAR_KINDS.index(fmt) for fmt, _, _, _ in flat]
+    flat = linears if isinstance(linears, FlatLinears) else flatten_linears(linears)
     return load_extension().decoder_layer(
-        x, residual, input_norm, post_norm, eps, kinds, [w for _, w, _, _ in flat], [s for _, _, s, _ in flat],
-        [b for _, _, _, b in flat], [len(group) for group in parts], cos, sin, k_cache, v_cache, meta.slot_mapping,
-        meta.block_tables, meta.seq_lens, meta.query_start_loc, num_heads, num_kv_heads, scale, max_query_len,
+        x, residual, input_norm, post_norm, eps, flat.kinds, flat.weights, flat.scales, flat.biases, flat.groups,
+        cos, sin, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        num_heads, num_kv_heads, scale, max_query_len,
     )

@@ -15,6 +15,7 @@ from torch import nn
 from tandem import kernels
 from tandem.attention import AttentionBackend, AttentionMetadata, select_backend
 from tandem.kernels import registry
+from tandem.models.fused_plan import fused_plan
 from tandem.models.hf_config import HFModelConfig
 from tandem.models.layers import (
     Embedding,
@@ -174,29 +175,24 @@ class LlamaDecoderLayer(nn.Module):
         it (a q/k norm, a linear without a kernel for this step). The caller checks the step
         (``LlamaModel.fused_step``).
         """
-        # NOTE: asked on every call, not cached: quantize_model and self-speculation's deepcopy replace
-        # the Linear modules after construction.
-        attn, mlp = self.self_attn, self.mlp
-        if (attn.has_qk_norm or attn.clip_qkv is not None or attn.partial_rotary or self.residual_multiplier != 1.0
-                or type(mlp) is not LlamaMLP or attn.softcap is not None):
+        plan = fused_plan(self, x.shape[0], self._suits_fused)
+        if plan is None:
             return None
+        attn = plan.modules[1]
         # NOTE: the fused layer attends without a window: only when every key is inside it.
         if attn.sliding_window is not None and int(meta.seq_lens.max()) > attn.sliding_window:
             return None
-        tokens = x.shape[0]
-        linears = []
-        for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            kernel_linear = getattr(module, "kernel_linear", None)
-            args = kernel_linear(tokens) if kernel_linear is not None else None
-            if args is None:
-                return None
-            linears.append(args)
-        norm, backend = self.input_layernorm, attn.backend
         return kernels.decoder_layer(
-            x, residual, norm.weight, self.post_attention_layernorm.weight, norm.eps, tuple(linears), rope[0],
-            rope[1], kv_cache[0], kv_cache[1], meta, attn.num_heads, attn.num_kv_heads, attn.scale,
-            backend.kernel_max_query_len,
+            x, residual, plan.input_norm, plan.post_norm, plan.eps, plan.linears, rope[0], rope[1], kv_cache[0],
+            kv_cache[1], meta, attn.num_heads, attn.num_kv_heads, attn.scale, attn.backend.kernel_max_query_len,
         )
+
+    def _suits_fused(self) -> bool:
+        """Whether this layer's own modules allow ``kernels.decoder_layer`` (asked when its plan is built,
+        ``models/fused_plan.py``: the plan is rebuilt when quantize_model or a deepcopy replaced a module)."""
+        attn = self.self_attn
+        return not (attn.has_qk_norm or attn.clip_qkv is not None or attn.partial_rotary
+                    or self.residual_multiplier != 1.0 or type(self.mlp) is not LlamaMLP or attn.softcap is not None)
 
 
 class LlamaModel(nn.Module):

@@ -148,6 +148,17 @@ def test_quantized_fused_layer_is_bit_identical_to_the_python_path(name: str, mi
     assert_fused_matches_python_path(runner, monkeypatch)
 
 
+def test_linears_replaced_after_a_fused_step_are_the_ones_that_run(tiny_checkpoint_factory,  # noqa: ANN001
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each layer keeps its fused-call arguments between steps (models/fused_plan.py); replacing its linears
+    after a step (as quantize_model and self-speculation's deepcopy do) must run the new ones: a kept bf16
+    plan would give the bf16 layer's hidden states, not the q4_1 Python path's."""
+    runner = bf16_runner(tiny_checkpoint_factory("llama"))
+    bf16 = mixed_step(runner.model, [(k.clone(), v.clone()) for k, v in runner.kv_caches])
+    mixed_quantized(runner, "q4_1")
+    assert not torch.equal(assert_fused_matches_python_path(runner, monkeypatch), bf16)
+
+
 def assert_fused_matches_python_path(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
     """One fused call per layer and step, the same hidden states and caches as the Python path; returns them."""
     calls = count_fused(monkeypatch)

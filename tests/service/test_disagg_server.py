@@ -10,6 +10,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -31,7 +32,7 @@ def pd(stories_dir, tmp_path_factory):
     prefill = Server(stories_dir, logs / "prefill.log", "--kv-transfer-config",
                      kv_config("kv_producer", free_port(), lease_ttl_s=3.0))
     decode = Server(stories_dir, logs / "decode.log", "--kv-transfer-config",
-                    kv_config("kv_consumer", free_port(), prefill_failure_policy="fail", transfer_timeout_s=1.0))
+                    kv_config("kv_consumer", free_port(), prefill_failure_policy="fail", transfer_timeout_s=5.0))
     port = free_port()
     router = subprocess.Popen([sys.executable, "-m", "tandem.cli", "router", "--prefill", prefill.url, "--decode",
                                decode.url, "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -164,20 +165,67 @@ def test_random_client_disconnects_leave_no_kv_on_either_side(pd):
     assert all(load["kv_cache_usage"] == 0 for load in loads), json.dumps(loads)
 
 
-def test_dead_prefill_server_gives_a_clean_503(pd):
+def unread_bytes_at(port: int) -> int:
+    """Bytes received but not yet read on this machine's established TCP connections to local ``port``
+    (``/proc/net/tcp*``: local address, ``tx_queue:rx_queue`` in hex, state 01 = established)."""
+    total = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "01" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    total += int(fields[4].split(":")[1], 16)
+    return total
+
+
+def test_prefill_server_killed_mid_transfer_gives_a_clean_503_and_frees_the_blocks(pd):
+    """SIGKILL of the prefill server while the decode side's pull is in flight (its blocks allocated, the
+    pull unread at a frozen producer): the decode side notices the closed data connection at once (not
+    after its 5 s timeout), answers 503 ``kv_transfer_failed``, serves on and holds no block. Kills the module's prefill
+    server: only the last test below (decode server alone) runs after it."""
     prefill, decode, _ = pd
-    leg = {"prompt": PROMPT + " again", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
-    params = httpx.post(prefill.url + "/v1/completions", json=leg, timeout=60).json()["kv_transfer_params"]
+
+    def prefill_leg(prompt: str) -> dict:
+        leg = {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        return httpx.post(prefill.url + "/v1/completions", json=leg, timeout=60).json()["kv_transfer_params"]
+
+    def decode_leg(prompt: str, params: dict) -> httpx.Response:
+        return httpx.post(decode.url + "/v1/completions", timeout=60,
+                          json={"prompt": prompt, **GREEDY, "kv_transfer_params": params})
+
+    warm = decode_leg(PROMPT + " again", prefill_leg(PROMPT + " again"))  # NOTE: the connections now exist
+    assert warm.status_code == 200 and warm.json()["kv_transfer_params"]["remote_prefill"] == "pulled"
+    prompt = PROMPT + " once more"  # NOTE: not cached on the decode side, so its blocks must be pulled
+    params = prefill_leg(prompt)
     core = prefill.core_process()
-    prefill.proc.kill()  # NOTE: the whole prefill server: its front end and its engine core (the KV server)
-    core.kill()
+    core.suspend()  # NOTE: the KV server (on the engine core) can no longer answer: the pull stays in flight
+    result: dict[str, httpx.Response] = {}
+    leg = threading.Thread(target=lambda: result.update(answer=decode_leg(prompt, params)))
+    t0 = time.monotonic()
+    leg.start()
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and unread_bytes_at(params["remote_port"]) == 0:
+            time.sleep(0.01)  # NOTE: the pull reached the frozen producer's socket
+        waited = time.monotonic() - t0
+    finally:
+        prefill.proc.kill()  # NOTE: the whole prefill server: its front end and its engine core (the KV server)
+        core.kill()
     prefill.proc.wait(10)
-    answer = httpx.post(decode.url + "/v1/completions", timeout=60, json={
-        "prompt": PROMPT + " again", **GREEDY, "kv_transfer_params": params})
-    assert answer.status_code == 503
+    leg.join(60)
+    answer = result["answer"]
+    assert answer.status_code == 503, answer.text
     error = answer.json()["error"]
-    assert error["code"] == "kv_transfer_failed" and "sent nothing for 1 s" in error["message"]
-    assert httpx.get(decode.url + "/load").json()["kv_cache_usage"] == 0
+    assert error["code"] == "kv_transfer_failed", error
+    assert waited < 4.5 and "the prefill engine closed the KV data connection" in error["message"], (waited, error)
+    assert colocated(decode, prompt)  # NOTE: the decode server serves on
+    deadline, load = time.monotonic() + 10, {}
+    while time.monotonic() < deadline:
+        load = httpx.get(decode.url + "/load").json()
+        if load["kv_cache_usage"] == 0 and load["running"] == 0 and load["waiting"] == 0:
+            break
+        time.sleep(0.1)
+    assert load["kv_cache_usage"] == 0 and load["running"] == 0 and load["waiting"] == 0, load
 
 
 def test_serve_disaggregate_on_one_machine(pd, stories_dir, tmp_path):

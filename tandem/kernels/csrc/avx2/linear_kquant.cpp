@@ -12,7 +12,8 @@
 // What llama.cpp's AVX2 path does (ggml-cpu quants.c): activations are quantized per token,
 //   q5_0 with q8_0 (blocks of 32: dx = max|x_b| / 127, gemm.h quantize_activations): per block the signed
 //     codes (-16..15, ggml's bytes_from_bits_32 for the 5th bit) times xq by _mm256_maddubs_epi16(|w|, sign(xq, w)),
-//     one fp32 FMA by d * dx (ggml_vec_dot_q5_0_q8_0);
+//     one fp32 FMA by d * dx (ggml_vec_dot_q5_0_q8_0); here maddubs of the unsigned codes minus a per-lane
+//     offset (q5_0_activations): the same int32 lanes, two sign operations fewer per row and block;
 //   q4_k / q6_k with q8_K (blocks of 256: iscale = 127 / max|x_B|, xq = round(iscale x), dy = 1 / iscale, and the
 //     sums of xq per 16): per sub-block maddubs(u, xq) scaled by its integer scale (_mm256_madd_epi16), all in
 //     int32 over the super-block, then one fp32 FMA by d * dy; q4_k's mins as dmin * dy * sum_j m_j S_j (S_j the
@@ -208,6 +209,20 @@ inline void q6k_sub(const uint8_t* const* blk, const __m256i (*sv)[8], const Q8K
   }
 }
 
+// sv[S] = the int16 scales of sub-block S's two halves: 8 x sc[2S] (low 128 bits), 8 x sc[2S + 1] (high), from
+// the 16 scales widened to int16 (sc16): one in-lane byte shuffle each of sc[0..7] or sc[8..15] in both halves.
+inline void q6k_scale_pairs(__m256i sc16, __m256i* sv) {
+  const __m256i lo = _mm256_permute2x128_si256(sc16, sc16, 0x00), hi = _mm256_permute2x128_si256(sc16, sc16, 0x11);
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    const char a = static_cast<char>(4 * k), b = static_cast<char>(4 * k + 2);
+    const __m256i pick = _mm256_setr_epi8(a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1,
+                                          b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1);
+    sv[k] = _mm256_shuffle_epi8(lo, pick);
+    sv[k + 4] = _mm256_shuffle_epi8(hi, pick);
+  }
+}
+
 template <int MB, int RB>
 void tile_q6k(const Weights& w, const Q8K& a, int64_t m0, int64_t row0, const NextRows& pf, const Output& out) {
   __m256 acc[MB * RB];
@@ -219,9 +234,8 @@ void tile_q6k(const Weights& w, const Q8K& a, int64_t m0, int64_t row0, const Ne
     __m256i sc16[RB];
     for (int r = 0; r < RB; ++r) {
       blk[r] = w.q + (row0 + r) * w.ldq + 208 * b;
-      const int8_t* sc = reinterpret_cast<const int8_t*>(blk[r] + 192);
-      for (int s = 0; s < 8; ++s) sv[r][s] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * s + 1]), _mm_set1_epi16(sc[2 * s]));
-      sc16[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+      sc16[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[r] + 192)));
+      q6k_scale_pairs(sc16[r], sv[r]);
     }
     __m256i sumi[MB * RB];
     for (int i = 0; i < MB * RB; ++i) sumi[i] = _mm256_setzero_si256();
@@ -251,7 +265,7 @@ void tile_q6k(const Weights& w, const Q8K& a, int64_t m0, int64_t row0, const Ne
 
 // ---- q5_0 -------------------------------------------------------------------------------------------------
 
-// The 32 signed codes (-16..15) of a Q5_0 block (qh, then 16 nibble bytes): nibble | 0xF0 where the 5th bit is 0.
+// The 32 unsigned codes u = nibble | 5th bit << 4 (0..31) of a Q5_0 block (qh, then 16 nibble bytes): w = d (u - 16).
 inline __m256i q5_0_codes(const uint8_t* p) {
   uint32_t qh;
   std::memcpy(&qh, p, 4);
@@ -263,12 +277,39 @@ inline __m256i q5_0_codes(const uint8_t* p) {
       _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
   const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
   const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-  return _mm256_or_si256(nib, _mm256_andnot_si256(set, _mm256_set1_epi8(static_cast<char>(0xF0))));
+  return _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+}
+
+// Q5_0's activations: q8_0 codes (gemm.h) and per token and block the 8 int32 lanes of 16 * sum xq over each
+// lane's 4 codes (the lanes of _mm256_madd_epi16(_mm256_maddubs_epi16(u, xq), 1)). A block's lanes of
+// sum (u - 16) xq are those of sum u xq minus these: the same integers as ggml's signed codes with its sign
+// trick (so the same fp32 results), two sign operations per row and block fewer. off: [M, blocks * 8].
+struct Q5Activations {
+  QuantizedActivations a;
+  std::vector<int32_t> off;
+};
+
+Q5Activations q5_0_activations(const at::Tensor& x, int64_t blocks) {
+  Q5Activations r{tandem::avx2::quantize_activations(x, blocks), {}};
+  const QuantizedActivations& a = r.a;
+  const int64_t M = x.size(0);
+  std::vector<int32_t>& off = r.off;
+  off.resize(M * a.blocks * 8);
+  const __m256i sixteen = _mm256_set1_epi8(16), ones = _mm256_set1_epi16(1);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[m * a.ldq + 32 * b]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&off[(m * a.blocks + b) * 8]),
+                          _mm256_madd_epi16(_mm256_maddubs_epi16(sixteen, xq), ones));
+    }
+  return r;
 }
 
 template <int MB, int RB>
-void tile_q5_0(const Weights& w, const QuantizedActivations& a, int64_t m0, int64_t row0, const NextRows& pf,
+void tile_q5_0(const Weights& w, const Q5Activations& x, int64_t m0, int64_t row0, const NextRows& pf,
                const Output& out) {
+  const QuantizedActivations& a = x.a;
+  const int32_t* off = x.off.data();
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[MB * RB];
   for (int i = 0; i < MB * RB; ++i) acc[i] = _mm256_setzero_ps();
@@ -284,15 +325,13 @@ void tile_q5_0(const Weights& w, const QuantizedActivations& a, int64_t m0, int6
     for (int64_t j = 0; j < n; ++j) {
       const int64_t b = g + j;
       pf(b);
-      __m256i c[RB], c_abs[RB];
-      for (int r = 0; r < RB; ++r) {
-        c[r] = q5_0_codes(w.q + (row0 + r) * w.ldq + 20 * b);
-        c_abs[r] = _mm256_sign_epi8(c[r], c[r]);
-      }
+      __m256i c[RB];
+      for (int r = 0; r < RB; ++r) c[r] = q5_0_codes(w.q + (row0 + r) * w.ldq + 20 * b);
       for (int m = 0; m < MB; ++m) {
         const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&a.q[(m0 + m) * a.ldq + 32 * b]));
+        const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&off[((m0 + m) * a.blocks + b) * 8]));
         for (int r = 0; r < RB; ++r) {
-          const __m256i i32 = _mm256_madd_epi16(_mm256_maddubs_epi16(c_abs[r], _mm256_sign_epi8(xq, c[r])), ones);
+          const __m256i i32 = _mm256_sub_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(c[r], xq), ones), o);
           acc[m * RB + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_broadcast_ss(&sc[m * RB + r][j]),
                                             acc[m * RB + r]);
         }
@@ -362,7 +401,7 @@ at::Tensor run(const Weights& w, at::Tensor x, int64_t N, const c10::optional<at
   if (M == 0 || N == 0) return y;
   const Output out(y, nullptr, b);
   if constexpr (F == Kind::kQ5_0) {
-    const QuantizedActivations a = tandem::avx2::quantize_activations(x, w.blocks);
+    const Q5Activations a = q5_0_activations(x, w.blocks);
     if (M == 1)
       run_tiles<F, 1, 4>(w, a, M, N, out);
     else
