@@ -295,7 +295,7 @@ class KVPuller:
     def _recv_frame(self, data: socket.socket, cache: torch.Tensor, index: np.ndarray,
                     runs: list[tuple[int, int]]) -> int:
         """Receives one layer's K (or V) of the pulled blocks into ``cache``; returns its bytes."""
-        row = cache[0].nbytes
+        row = cache.nbytes // cache.shape[0]
         if cache.is_contiguous() and len(runs) <= MAX_DIRECT_RUNS:
             rows = as_rows(cache)
             for start, length in runs:
