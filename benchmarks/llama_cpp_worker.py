@@ -29,7 +29,10 @@ class LlamaCppWorker:
         return info.decode() if isinstance(info, bytes) else str(info)
 
     def _greedy(self) -> int:
-        return int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        # NOTE: llama-cpp-python 0.3.x no longer copies logits into ``Llama.scores`` unless logits_all (that row
+        # stayed 0, so every step fed token 0: the same experts each step in a MoE model); read the context's.
+        logits = np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),))
+        return int(np.argmax(logits))
 
     def prefill(self, tokens: list[int]) -> float:
         self.llm.reset()

@@ -88,6 +88,8 @@ class ModelRunnerOutput:
 
     With speculation a row's ``sampled_token_ids`` holds its accepted drafts plus one token from the
     target (1 to k + 1 tokens), and ``spec_token_ids`` the drafts proposed for the next step.
+    ``failed``: requests that cannot go on, and why (their structured-output matcher failed); the
+    scheduler ends them with an error and ignores their tokens.
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -96,6 +98,7 @@ class ModelRunnerOutput:
     # Per request that asked for prompt logprobs: the whole prompt's, sent with its first sampled token.
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -172,12 +172,16 @@ class EngineCore:
         if self._request_connector is not None:
             self._request_connector.abort_requests(ids)
 
-    def take_failed_requests(self) -> list[tuple[str, str]]:
-        """(request id, why) of the requests the KV connector ended since the last call (they need an
-        error answer, HTTP 503). Changes: empties the connector's list."""
-        if self._request_connector is None:
-            return []
-        failed, self._request_connector.failed = self._request_connector.failed, []
+    def take_failed_requests(self) -> list[tuple[str, str, int]]:
+        """(request id, why, HTTP status) of the requests ended since the last call that need an error
+        answer: 400 for a structured-output matcher that failed while generating (a grammar beyond
+        llguidance's limits), 503 for a KV transfer the connector gave up on. Changes: empties the
+        scheduler's and the connector's lists."""
+        failed = [(rid, why, 400) for rid, why in self.scheduler.failed]
+        self.scheduler.failed = []
+        if self._request_connector is not None:
+            failed += [(rid, why, 503) for rid, why in self._request_connector.failed]
+            self._request_connector.failed = []
         return failed
 
     def close(self) -> None:
@@ -206,6 +210,8 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if self._request_connector is not None:
             self._request_connector.on_outputs(outputs)
+            if runner_output.failed:
+                self._request_connector.abort_requests(list(runner_output.failed))
         return outputs
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

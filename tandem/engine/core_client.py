@@ -49,13 +49,14 @@ def _process_context() -> multiprocessing.context.BaseContext:
 
     NOTE: a fresh interpreter spends seconds importing torch (over 10 s on a busy 2-core machine),
     which is most of a restart; forking from a server that holds torch imported, and has run nothing
-    with it (no OpenMP threads yet), takes milliseconds. The preload list is the stdlib's process-wide
+    with it (no OpenMP threads yet), takes milliseconds. ``fork_server_init`` makes the server ignore
+    SIGTERM (see there). The preload list is the stdlib's process-wide
     setting; it only matters before the fork server starts, which this does on first use.
     """
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch"])
+    ctx.set_forkserver_preload(["tandem.engine.fork_server_init", "torch"])  # NOTE: the first ignores SIGTERM
     return ctx
 
 

@@ -116,12 +116,13 @@ class CoreFailed(msgspec.Struct, tag="failed"):
 
 
 class StepFailed(msgspec.Struct, tag="step_failed"):
-    """A step raised and was rolled back (``EngineStepError``): these engine requests were aborted;
-    the core keeps serving the others. ``message``: the cause's type and text."""
+    """A step raised and was rolled back (``EngineStepError``), or the engine ended these requests with
+    an error (``EngineCore.take_failed_requests``): they were aborted; the core keeps serving the
+    others. ``message``: the cause's type and text, or why."""
 
     request_ids: list[str]
     message: str
-    status: int = 500  # the HTTP status of the error (503: a KV transfer failed under the "fail" policy)
+    status: int = 500  # the HTTP status (400: a grammar failed; 503: a KV transfer failed, "fail" policy)
 
 
 OutputMessage = Ready | AddResult | StepOutputs | CoreFailed | StepFailed

@@ -236,12 +236,13 @@ class EngineCoreProc:
             self.kv_publisher.serve_requests(lambda: self.core.kv_snapshot(self.engine_id))
 
     def send_failed(self) -> None:
-        """Ends the requests the KV connector gave up on (503 each)."""
-        take = getattr(self.core, "take_failed_requests", None)  # NOTE: only an EngineCore has a connector
-        for rid, message in take() if take is not None else ():
+        """Ends the requests the engine ended with an error: a failed grammar (400), a KV transfer the
+        connector gave up on (503)."""
+        take = getattr(self.core, "take_failed_requests", None)  # NOTE: an injected core may have none
+        for rid, message, status in take() if take is not None else ():
             self.live.pop(rid, None)
             self.unscheduled.discard(rid)
-            self.send(StepFailed([rid], message, 503))
+            self.send(StepFailed([rid], message, status))
 
     def stats(self) -> CoreStats:
         return msgspec.convert(self.core.stats(), CoreStats, from_attributes=True)

@@ -13,6 +13,7 @@ from tandem.engine.core import EngineCore
 from tandem.engine.loading import load_frontend
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.processor import PromptError, PromptType
+from tandem.errors import EngineRequestError
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 
@@ -105,6 +106,8 @@ class LLM:
 
         Raises:
             PromptError / SamplingParamsError (both ValueError): bad prompt or parameters.
+            EngineRequestError: the engine ended a request with an error (status 400: its grammar
+                failed while generating, beyond llguidance's limits); every request of the call ends.
         """
         if prompts is None or isinstance(prompts, bytes | bytearray):
             raise PromptError(f"prompts must be a string, token ids, or a list of those; got {type(prompts).__name__}")
@@ -208,6 +211,10 @@ class LLM:
                     self.engine.add_request(request)
             while self.engine.has_unfinished_requests():
                 processed = output_processor.process_outputs(self.engine.step())
+                failed = self.engine.take_failed_requests()
+                if failed:
+                    _, why, status = failed[0]
+                    raise EngineRequestError(status, why)
                 if processed.reqs_to_abort:
                     self.engine.abort_requests(processed.reqs_to_abort)
                 yield from processed.request_outputs

@@ -122,11 +122,14 @@ class OutputLoopMixin:
                 self.log.finished(state)
 
     def _on_step_failed(self, message: StepFailed) -> None:
-        """Ends the prompts of a failed (rolled-back) step with a 500, or of a failed KV transfer with
-        its status (503); the core serves on."""
+        """Ends the prompts of a failed (rolled-back) step with a 500, of a failed KV transfer with a 503
+        (retry elsewhere), of a failed grammar with a 400; the core serves on."""
         text = message.message.splitlines()[0]
-        error = EngineRequestError(500, f"the engine step failed: {text}") if message.status == 500 \
-            else EngineRequestError(message.status, text, QUEUE_FULL_RETRY_AFTER_S)
+        if message.status == 500:
+            error = EngineRequestError(500, f"the engine step failed: {text}")
+        else:
+            retry_after = QUEUE_FULL_RETRY_AFTER_S if message.status == 503 else None
+            error = EngineRequestError(message.status, text, retry_after)
         for parent_id in {self._children[c].parent.request_id for c in message.request_ids if c in self._children}:
             state = self._parents[parent_id]
             self.client.abort_requests(state.live_child_ids)  # NOTE: its other children may still run

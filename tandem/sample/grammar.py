@@ -42,22 +42,33 @@ def make_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[
 class Grammar:
     """One request's matcher (llguidance ``LLMatcher``): which tokens may come next, and the tokens so far.
 
-    ``accept`` advances it over sampled tokens; an invalid token (never sampled under its mask) puts
-    it in an error state where only EOS is allowed, which ends the request. ``is_stopped``: only EOS
-    may follow (the text is complete and cannot grow).
+    ``accept`` advances it over sampled tokens. ``error``: why the matcher failed (None while it
+    works): it failed to build, hit one of llguidance's limits (``a{500000}`` exceeds its lexer's:
+    "lexer error: too many expressions constructed") or was fed a token it forbids. A failed matcher
+    allows only EOS, so the text would end unconstrained; the runner ends such a request with an
+    error instead (``ModelRunnerOutput.failed``). ``is_stopped``: only EOS may follow (the text is
+    complete and cannot grow).
     """
 
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self.matcher = matcher
+        self.error: str | None = None
+        self.check_error()
+
+    def check_error(self) -> str | None:
+        """Records the matcher's error, if it has one (the first line of llguidance's message)."""
+        if self.error is None and self.matcher.is_error():
+            self.error = self.matcher.get_error().splitlines()[0] or "the grammar matcher failed"
+        return self.error
 
     def accept(self, token_ids: list[int]) -> None:
-        """Consumes ``token_ids`` (changes the matcher's state; logs if one was not allowed). Tokens after
+        """Consumes ``token_ids``; changes the matcher's state, and ``error`` when one fails. Tokens after
         the grammar stopped (the EOS that ends the request) are not fed to it."""
         for token in token_ids:
-            if self.matcher.is_stopped():
+            if self.error is not None or self.matcher.is_stopped():
                 return
             if not self.matcher.consume_token(token):
-                logger.warning("a token outside the grammar was accepted: %s", self.matcher.get_error())
+                self.check_error()
                 return
 
     def valid_prefix(self, token_ids: list[int]) -> int:
@@ -75,7 +86,8 @@ def fill_bitmask(grammars: list[Grammar], bitmask: torch.Tensor, drafts: list[li
     consecutive rows: the mask now, then after each draft token while the drafts stay valid (the
     matcher is advanced over them, then rolled back); rows after an invalid draft keep their content
     (that draft is masked out, so verification rejects it and never reads them).
-    Changes: ``bitmask`` only (matchers end where they started).
+    Changes: ``bitmask``, and the ``error`` of a grammar whose matcher failed meanwhile (a limit);
+    the other matchers end where they started.
     """
     row = 0
     for i, grammar in enumerate(grammars):
@@ -90,6 +102,7 @@ def fill_bitmask(grammars: list[Grammar], bitmask: torch.Tensor, drafts: list[li
             _fill_row(matcher, bitmask, row + consumed)
         if consumed:
             matcher.rollback(consumed)
+        grammar.check_error()
         row += 1 + len(row_drafts)
 
 
@@ -148,9 +161,12 @@ class GrammarCompiler:
                 self.num_cache_hits += 1
                 return Grammar(template.deep_copy())
         matcher = llguidance.LLMatcher(self._tokenizer(eos_token_ids), text, log_level=0)
+        # NOTE: the first mask builds the lexer's states over the vocabulary (0.5 s for a{500000} with a
+        # 512-token vocabulary, 0.08 s after); built here, not in the engine's first step with it.
+        _fill_row(matcher, allocate_bitmask(1, self.vocab_size), 0)
         if matcher.is_error():
-            # NOTE: the edge checked this grammar; a failure here leaves a matcher that allows only EOS.
-            logger.error("grammar failed to build: %s", matcher.get_error())
+            # NOTE: the edge checked this grammar; the runner ends the request with this error.
+            logger.error("grammar failed to build: %s", matcher.get_error().splitlines()[0])
             return Grammar(matcher)
         with self._lock:
             self._cache[key] = matcher.deep_copy()

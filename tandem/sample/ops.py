@@ -2,12 +2,14 @@
 
 The order and semantics follow vLLM v1 (``vllm/v1/sample/``) and Hugging Face ``transformers`` logits
 processors. Every function works on whole batches with tensor ops: nothing loops over vocabulary
-entries or tokens; only ``random_sample`` loops over rows, because each seeded request owns a generator.
+entries or tokens; ``random_sample`` loops over rows, because each seeded request owns a generator, and
+``apply_token_bitmask`` fills each masked row with one numpy call.
 Functions named ``apply_*`` modify ``logits`` in place and also return it.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _NEG_INF = float("-inf")
@@ -45,19 +47,32 @@ def gather_logprobs(
     return top_ids, top_logprobs, sampled_logprobs, sampled_ranks
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
     """Forbid (-inf) every token whose bit is clear: bit ``j`` of word ``w`` allows token ``32 w + j``.
 
     Args:
-        logits: ``[R, V]``, modified in place.
-        bitmask: ``[R, ceil(V / 32)]`` int32 (llguidance's layout); a token past ``32 * W`` is forbidden.
+        logits: ``[R, V]``, modified in place (float32 or bfloat16).
+        bitmask: ``[M, ceil(V / 32)]`` int32 (llguidance's layout); a token past ``32 * W`` is forbidden.
+        rows: the logits row of each bitmask row (default: row i for bitmask row i, M == R).
     """
-    bits = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).view(bitmask.shape[0], -1).bool()
+    # NOTE: numpy unpacks the bits in one pass and fills -inf where they are clear in another, on one
+    # thread: 40 us for a 49,152-token row where the tensor version (shift, and, bool, invert,
+    # masked_fill) took 380 us on a loaded machine, each of its ops waking torch's thread pool.
+    words = np.invert(bitmask.numpy()).astype("<i4", copy=False)  # NOTE: little-endian: byte k = bits 8k..8k+7
+    forbidden = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little").view(np.bool_)
     vocab_size = logits.shape[1]
-    if allowed.shape[1] < vocab_size:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
-    return logits.masked_fill_(~allowed[:, :vocab_size], _NEG_INF)
+    if forbidden.shape[1] < vocab_size:
+        forbidden = np.pad(forbidden, ((0, 0), (0, vocab_size - forbidden.shape[1])), constant_values=True)
+    forbidden = forbidden[:, :vocab_size]
+    rows = list(range(bitmask.shape[0])) if rows is None else rows
+    if logits.dtype == torch.float32 and logits.is_contiguous():
+        out = logits.numpy()
+        for i, row in enumerate(rows):
+            np.copyto(out[row], _NEG_INF, where=forbidden[i])
+        return logits
+    index = torch.tensor(rows)
+    sub = logits.index_select(0, index).masked_fill_(torch.from_numpy(forbidden), _NEG_INF)
+    return logits.index_copy_(0, index, sub)
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: list[int], token_ids: list[int]) -> torch.Tensor:

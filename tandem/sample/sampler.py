@@ -148,11 +148,7 @@ def process_logits(logits: torch.Tensor, states: list[SamplingState]) -> torch.T
 
 def apply_grammar_mask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
     """Masks ``logits [R, V]`` rows ``rows`` (in place) with ``bitmask [len(rows), ceil(V / 32)]``."""
-    if len(rows) == logits.shape[0]:
-        ops.apply_token_bitmask(logits, bitmask)
-        return
-    index = torch.tensor(rows)
-    logits.index_copy_(0, index, ops.apply_token_bitmask(logits.index_select(0, index), bitmask))
+    ops.apply_token_bitmask(logits, bitmask, rows)
 
 
 def _apply_min_tokens(logits: torch.Tensor, states: list[SamplingState]) -> None:

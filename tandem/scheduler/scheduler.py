@@ -86,6 +86,7 @@ class Scheduler(RemoteKVMixin):
         self.running: list[Request] = []  # RUNNING, in admission order (last = newest)
         self.remote_kv_tokens: dict[str, int] = {}  # WAITING_FOR_REMOTE_KV id -> tokens whose KV will arrive
         self._finished_ids: set[str] = set()  # finished or aborted since the last schedule()
+        self.failed: list[tuple[str, str]] = []  # (id, why) ended by a runner failure, drained by the engine
         self.num_preemptions_total = 0
         self.num_steps = 0  # steps whose results were applied (update_from_output)
         spec = speculative_config
@@ -315,7 +316,8 @@ class Scheduler(RemoteKVMixin):
         runner's new drafts), draft counters, status and ``stop_reason`` of the scheduled requests and
         ``spec_stats``; registers the full blocks the step wrote in the prefix cache; frees finished
         requests' blocks at once (or holds them under ``request.kv_lease_id``) and queues their ids
-        for the next ``finished_request_ids``; ``num_steps``.
+        for the next ``finished_request_ids``; ``num_steps``. Requests in ``runner_output.failed``
+        are aborted (their tokens dropped, blocks freed) and listed in ``failed``.
         """
         self.num_steps += 1
         outputs: list[EngineCoreOutput] = []
@@ -324,6 +326,8 @@ class Scheduler(RemoteKVMixin):
             request = self.requests.get(row.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted since schedule()
+            if row.request_id in runner_output.failed:
+                continue  # NOTE: ended below, as an abort (its blocks freed, none registered)
             sampled = runner_output.sampled_token_ids.get(row.request_id, [])
             assert row.sample or not sampled, f"runner sampled for {row.request_id} without sample=True"
             num_rejected = verify_counts(request, row, sampled, self.spec_stats)
@@ -338,7 +342,14 @@ class Scheduler(RemoteKVMixin):
                 outputs.append(make_output(request, new_token_ids, runner_output))
         if any_finished:
             self.running = [r for r in self.running if not r.status.finished]
+        self._fail(runner_output.failed)
         return outputs
+
+    def _fail(self, failed: dict[str, str]) -> None:
+        """Aborts the requests the runner could not go on with and lists them in ``failed``."""
+        ids = [rid for rid in failed if rid in self.requests]
+        self.abort_requests(ids)
+        self.failed.extend((rid, failed[rid]) for rid in ids)
 
     def _free_finished(self, request: Request) -> None:
         if request.kv_lease_id is not None:

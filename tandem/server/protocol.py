@@ -18,7 +18,6 @@ from pydantic_core import PydanticCustomError
 
 from tandem.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError, StructuredOutputsParams
 from tandem.server.protocol_tools import ResponseFormat, ToolCallParam, ToolParam
-from tandem.structured_outputs import check_grammar
 
 # Integer bounds, checked before anything reaches msgpack (64-bit) or torch. Lower bounds of n,
 # max_tokens and min_tokens are SamplingParams' (its messages); these add what keeps values encodable.
@@ -154,6 +153,12 @@ class SamplingRequest(OpenAIModel):
         return StructuredOutputsParams.from_dict(self.structured_outputs), "structured_outputs"
 
     @property
+    def constraint_param(self) -> str:
+        """The field the request's constraint came from, for errors: ``structured_outputs`` or
+        ``response_format``."""
+        return "response_format" if self.structured_outputs is None else "structured_outputs"
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
@@ -162,7 +167,8 @@ class SamplingRequest(OpenAIModel):
         prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """SamplingParams from this request; absent fields take the model's defaults
-        (generation_config.json), as vLLM does.
+        (generation_config.json), as vLLM does. A constraint is parsed, not yet checked by llguidance
+        (the handler does that off the event loop: ``serving_common.check_constraint``).
 
         Raises:
             SamplingParamsError: an out-of-range or unsupported value (the server answers 400).
@@ -179,9 +185,9 @@ class SamplingRequest(OpenAIModel):
             "presence_penalty": self.presence_penalty or 0.0,
             "frequency_penalty": self.frequency_penalty or 0.0, "kv_transfer_params": self.kv_transfer_params,
         }
-        structured, param = self.structured_outputs_params()
+        structured, _ = self.structured_outputs_params()
         if structured is not None:
-            check_grammar(structured, None, param)  # NOTE: ~1 ms for a schema, cached by grammar text
+            # NOTE: llguidance's check (check_grammar) runs in the handler, off the event loop.
             changes["structured_outputs"] = structured
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(self, name) is not None:

@@ -24,6 +24,7 @@ from tandem.server.protocol_responses import ChatChoice, ChatCompletionResponse,
 from tandem.server.serving_common import (
     DONE,
     ModelNames,
+    check_constraint,
     check_queue_room,
     event_stream,
     final_outputs,
@@ -73,6 +74,7 @@ class OpenAIServingChat:
                 raise SamplingParamsError(f"tool_choice {plan.mode!r} constrains the output; it cannot be "
                                           "combined with response_format or structured_outputs", "tool_choice")
             params = params.clone(structured_outputs=plan.constraint)
+        await check_constraint(params, "tools" if plan.constraint is not None else request.constraint_param)
         check_queue_room(self.engine, 1, params.n)
         request_id = request_id_for("chatcmpl", request.request_id)
         kind = "delta" if request.stream else "cumulative"

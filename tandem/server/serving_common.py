@@ -16,6 +16,7 @@ from tandem.errors import DuplicateRequestError
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.server import errors
+from tandem.structured_outputs import check_grammar
 
 DONE = "data: [DONE]\n\n"
 
@@ -58,6 +59,18 @@ def stream_error(e: EngineDeadError | EngineRequestError) -> str:
 
 def event_stream(body: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def check_constraint(params: SamplingParams, param: str) -> None:
+    """llguidance's check of the request's structured-output constraint (``check_grammar``, cached
+    by grammar text) in a worker thread: a grammar near the 256 KiB cap takes about half a second to
+    check here, and the event loop serves every other request meanwhile (llguidance releases the GIL).
+
+    Raises:
+        SamplingParamsError: the constraint cannot be enforced (a 400 naming ``param``).
+    """
+    if params.structured_outputs is not None:
+        await asyncio.to_thread(check_grammar, params.structured_outputs, None, param)
 
 
 def check_queue_room(engine: AsyncLLM, num_prompts: int, n: int) -> None:

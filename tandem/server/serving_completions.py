@@ -23,6 +23,7 @@ from tandem.server.protocol_responses import CompletionChoice, CompletionRespons
 from tandem.server.serving_common import (
     DONE,
     ModelNames,
+    check_constraint,
     check_queue_room,
     event_stream,
     final_outputs,
@@ -84,6 +85,7 @@ class OpenAIServingCompletion:
         model = self.model_names.resolve(request.model)
         self.engine.check_available()
         params = request.sampling_params(self.engine.default_sampling_params)
+        await check_constraint(params, request.constraint_param)
         given = self._prompt_list(request.prompt)
         check_queue_room(self.engine, len(given), params.n)
         request_id = request_id_for("cmpl", request.request_id)

@@ -25,7 +25,6 @@ import jsonschema
 
 from tandem.sampling_params import SamplingParamsError, StructuredOutputsParams
 from tandem.server.tool_parsers import TOOL_PARSERS, ToolCall, ToolParser, make_call
-from tandem.structured_outputs import check_grammar
 
 AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 
@@ -97,8 +96,9 @@ class ToolCalling:
 
         Raises:
             SamplingParamsError: a ``tool_choice`` without tools, an unknown choice or function name,
-                "auto" without the server flags, a tool's ``parameters`` that is not a JSON Schema, or
-                one the grammar engine cannot honour (param ``tool_choice`` or ``tools...``).
+                "auto" without the server flags, a tool's ``parameters`` that is not a JSON Schema
+                (param ``tool_choice`` or ``tools...``). Whether the grammar engine can honour the
+                plan's ``constraint`` is the caller's check (param ``tools``), off the event loop.
         """
         if not tools:
             if tool_choice not in (None, "none"):
@@ -114,7 +114,6 @@ class ToolCalling:
             return ToolPlan("auto", parser=self._parser, parallel=parallel is not False)
         if choice == "required":
             constraint = StructuredOutputsParams(json=required_schema(tools, parallel is not False))
-            check_grammar(constraint, None, "tools")
             return ToolPlan("required", constraint=constraint)
         name = _named_choice(choice)
         matches = [t for t in tools if t["function"]["name"] == name]
@@ -122,7 +121,6 @@ class ToolCalling:
             raise SamplingParamsError(f"tool_choice names the function {name!r}, which is not in tools",
                                       "tool_choice")
         constraint = StructuredOutputsParams(json=_tool_schema(matches[0]))
-        check_grammar(constraint, None, "tools")
         return ToolPlan("named", name=name, constraint=constraint)
 
 

@@ -133,7 +133,8 @@ class ModelRunner(RunnerKVCache):
 
         Changes: per-request sampling state (adds ``new_requests``, drops ``finished_request_ids``,
         appends sampled tokens, advances seeded generators); writes K/V into the cache at the
-        scheduled slots. Returns sampled tokens (and logprobs for requests that asked).
+        scheduled slots. Returns sampled tokens (and logprobs for requests that asked), and the
+        requests whose structured-output matcher failed (``failed``, without their tokens).
 
         Raises:
             RuntimeError: the KV cache is not initialized, or a row samples for an unknown request.
@@ -203,8 +204,13 @@ class ModelRunner(RunnerKVCache):
 
     @staticmethod
     def _record(output: ModelRunnerOutput, request_id: str, state: SamplingState, result: VerifyResult) -> None:
-        """Appends a row's new tokens to its sampling state (and grammar) and to ``output`` (logprobs when asked)."""
+        """Appends a row's new tokens to its sampling state (and grammar) and to ``output`` (logprobs when
+        asked); a row whose grammar failed goes to ``output.failed`` instead."""
         state.append(result.token_ids)
+        error = state.grammar.error if state.grammar is not None else None
+        if error is not None:
+            output.failed[request_id] = f"the structured output constraint could not be enforced: {error}"
+            return
         output.sampled_token_ids[request_id] = result.token_ids
         if state.params.logprobs is not None and result.logprobs is not None and None not in result.logprobs:
             output.logprobs[request_id] = result.logprobs

@@ -70,7 +70,7 @@ def run(core: EngineCore, rid: str, prompt: list[int], params: SamplingParams, *
                 tokens += out.new_token_ids
                 if out.finish_reason is not None:
                     return tokens, out.kv_transfer_params
-        failed = dict(core.take_failed_requests())
+        failed = {fid: why for fid, why, _ in core.take_failed_requests()}
         if rid in failed:
             return [], {"failed": failed[rid]}
         time.sleep(0.0005)

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from tandem import LLM, SamplingParams, StructuredOutputsParams
+from tandem.errors import EngineRequestError
 from tandem.sampling_params import SamplingParamsError
 
 SCHEMA = {"type": "object", "properties": {"who": {"type": "string", "maxLength": 10},
@@ -44,3 +45,19 @@ def test_unsupported_schema_raises_before_queueing(plain):
     with pytest.raises(SamplingParamsError, match=r'Unimplemented keys: \["uniqueItems"\]'):
         plain.generate("Once", [greedy({"type": "array", "uniqueItems": True})])
     assert not plain.engine.has_unfinished_requests()
+
+
+def test_a_grammar_beyond_llguidance_limits_raises_and_frees_its_blocks(plain):
+    """``a{500000}`` passes the edge's check, then its first token exceeds llguidance's lexer limit:
+    the call raises (never unconstrained text), the batch's other request ends too, no block is held."""
+    limit = SamplingParams(temperature=0.0, max_tokens=8,
+                           structured_outputs=StructuredOutputsParams(regex="a{500000}"))
+    with pytest.raises(EngineRequestError) as info:
+        plain.generate(["Once", "The dog"], [limit, SamplingParams(max_tokens=8)])
+    assert info.value.status == 400
+    assert info.value.message == ("the structured output constraint could not be enforced: "
+                                  "lexer error: too many expressions constructed")
+    assert not plain.engine.has_unfinished_requests()
+    assert plain.engine.scheduler.kv_cache_manager.usage == 0
+    plain.engine.scheduler.check()
+    assert plain.generate("Once", SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0].token_ids

@@ -35,7 +35,9 @@ def free_port() -> int:
 class Server:
     """A `python -m tandem.cli serve` subprocess; its stderr goes to ``log_path``."""
 
-    def __init__(self, model: Path, log_path: Path, *flags: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model: Path, log_path: Path, *flags: str, env: dict[str, str] | None = None,
+                 new_session: bool = False) -> None:
+        """``new_session``: the server leads a process group of its own (so a test can signal the group)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -46,7 +48,7 @@ class Server:
                *engine, "--port", str(self.port), *flags]
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})}, start_new_session=new_session)
 
     def wait_healthy(self, timeout_s: float = 120.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -233,3 +233,48 @@ def test_a_bug_in_the_output_loop_fails_requests_instead_of_hanging(frontend):
     first, later = asyncio.run(run())
     assert first == "the engine front end failed: KeyError: 'bug'"
     assert later == "the engine front end failed: KeyError: 'bug'; it is not restarted (restarts are off)"
+
+
+def test_a_slow_grammar_check_runs_off_the_event_loop(frontend, monkeypatch):
+    """While one request's llguidance check is held (standing for a large grammar's), another request
+    is answered; then the held one finishes. With the check on the event loop the order would flip."""
+    from tandem.server import serving_common
+
+    client = FakeClient()
+    engine = AsyncLLM(frontend, client, FakeMetrics())
+    handler = OpenAIServingCompletion(engine, ModelNames(["m"]))
+    release, order = threading.Event(), []
+    check = serving_common.check_grammar
+
+    def held_check(*args):
+        release.wait(10)
+        order.append("check")
+        return check(*args)
+
+    monkeypatch.setattr(serving_common, "check_grammar", held_check)
+
+    async def answer(rid: str) -> None:
+        while rid not in client.added:
+            await asyncio.sleep(0.01)
+        client.outputs.put_nowait(AddResult(rid, 200))
+        client.outputs.put_nowait(StepOutputs([EngineCoreOutput(rid, [403], finish_reason="length")], CoreStats()))
+
+    async def run():
+        await engine.start()
+        held = asyncio.create_task(handler.create(CompletionRequest(
+            prompt="Hi", max_tokens=1, request_id="held", structured_outputs={"choice": ["a", "b"]})))
+        await asyncio.sleep(0.05)  # the held request is in its check
+        plain = asyncio.create_task(handler.create(CompletionRequest(prompt="Once", max_tokens=1, request_id="plain")))
+        await answer("cmpl-plain")
+        responses = [await plain]
+        order.append("plain answered")
+        release.set()
+        await answer("cmpl-held")
+        responses.append(await held)
+        await engine.shutdown()
+        return responses
+
+    plain, held = asyncio.run(run())
+    assert order == ["plain answered", "check"]
+    assert plain.status_code == 200 and held.status_code == 200
+    assert json.loads(held.body)["choices"][0]["finish_reason"] == "length"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import re
 import signal
 import time
@@ -120,9 +121,10 @@ def test_core_death_turns_everything_503(server):
 
 @pytest.fixture(scope="module")
 def sigterm_servers(stories_dir, tmp_path_factory):
-    """Two servers started together (to halve the wait): a 20 s drain and a 0 s drain."""
+    """Two servers started together (to halve the wait): a 20 s drain, in a process group of its own, and a
+    0 s drain."""
     servers = {timeout: Server(stories_dir, tmp_path_factory.mktemp(f"sigterm{timeout}") / "server.log",
-                               "--shutdown-timeout", timeout) for timeout in ("20", "0")}
+                               "--shutdown-timeout", timeout, new_session=timeout == "20") for timeout in ("20", "0")}
     try:
         for s in servers.values():
             s.wait_healthy()
@@ -132,26 +134,39 @@ def sigterm_servers(stories_dir, tmp_path_factory):
             s.stop()
 
 
-def _stream_then_sigterm(s: Server, max_tokens: int) -> tuple[dict, list[str]]:
-    """Starts a stream, sends SIGTERM after its first chunk; returns that chunk and the rest."""
+def _stream_then_sigterm(s: Server, max_tokens: int, group: bool = False) -> tuple[dict, list[str]]:
+    """Starts a stream, sends SIGTERM after its first chunk (to the server's whole process group when
+    ``group``); returns that chunk and the rest."""
     body = {**LONG, "max_tokens": max_tokens, "stream": True}
     with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
-        s.proc.send_signal(signal.SIGTERM)
+        if group:
+            os.killpg(s.proc.pid, signal.SIGTERM)
+        else:
+            s.proc.send_signal(signal.SIGTERM)
         return json.loads(first[6:]), sse_data_from(lines)
 
 
-def test_sigterm_drains_in_flight_and_exits_0(sigterm_servers):
+def test_sigterm_to_the_process_group_drains_in_flight_and_exits_0(sigterm_servers):
+    """SIGTERM reaches the front end, its engine core's fork server and the core at once (systemd's default
+    KillMode=control-group, ``kill -TERM -PGID``): the stream still finishes, the core is not restarted,
+    and the exit leaves no process of the group behind."""
+    import psutil
+
     s = sigterm_servers["20"]
-    first, rest = _stream_then_sigterm(s, 300)
+    family = psutil.Process(s.proc.pid).children(recursive=True)
+    first, rest = _stream_then_sigterm(s, 300, group=True)
     chunks = [first] + [json.loads(d) for d in rest[:-1]]
     assert rest[-1] == "[DONE]"
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert s.proc.wait(30) == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{s.url}/health", timeout=2)
-    assert "Traceback" not in s.log()
+    log = s.log()
+    assert "Traceback" not in log and "restarting the engine core" not in log, log
+    _, alive = psutil.wait_procs(family, timeout=15)
+    assert not alive, [p.cmdline() for p in alive]
 
 
 def test_sigterm_past_the_timeout_ends_streams_with_an_error(sigterm_servers):

@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from live_server import Server, metric_samples
+from live_server import Server, metric_samples, sse_data, wait_idle
 
 SCHEMA = {
     "type": "object",
@@ -160,3 +160,25 @@ def test_constraints_the_engine_cannot_honour_are_400(client, body, param, messa
     assert r.status_code == 400
     assert r.json() == {"error": {"message": message, "type": "invalid_request_error", "param": param,
                                   "code": None}}
+
+
+LIMIT_ERROR = {"error": {"message": "the structured output constraint could not be enforced: lexer error: too many "
+                         "expressions constructed", "type": "invalid_request_error", "param": None, "code": None}}
+
+
+def test_a_grammar_beyond_llguidance_limits_is_an_error_not_free_text(client):
+    """``a{500000}`` passes the edge's check; its first token exceeds llguidance's lexer limit in the
+    engine, which ends the request with an error (its KV blocks freed) instead of unconstrained text."""
+    _, server = client
+    body = {"prompt": "Once upon a time", "max_tokens": 8, "structured_outputs": {"regex": "a{500000}"}}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json() == LIMIT_ERROR
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200  # NOTE: the header went out before the engine found the limit
+        data = sse_data(r)
+    assert data[-1] == "[DONE]" and [json.loads(d) for d in data[:-1]] == [LIMIT_ERROR]
+    idle = wait_idle(server.url)
+    assert idle[("tandem:kv_cache_usage_perc", ())] == 0 and idle[("tandem:num_requests_running", ())] == 0
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Once", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2  # the engine serves on
+    assert "integrity check failed" not in server.log()

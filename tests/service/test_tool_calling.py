@@ -134,3 +134,9 @@ def test_auto_without_a_call_is_text_and_bad_tool_requests_are_400(tool_server):
         tool_server.chat.completions.create(model="m", messages=ASK, tools=bad, max_tokens=8)
     assert info.value.body["param"] == "tools.2.function.parameters"
     assert info.value.body["message"].startswith("the parameters of tool 'broken' are not a valid JSON Schema")
+    unique = [{"type": "function", "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}}}]
+    with pytest.raises(openai.BadRequestError) as info:  # the handler's llguidance check names "tools"
+        tool_server.chat.completions.create(model="m", messages=ASK, tools=unique, max_tokens=8,
+                                            tool_choice={"type": "function", "function": {"name": "f"}})
+    assert info.value.body == {"message": 'the JSON schema cannot be enforced: Unimplemented keys: ["uniqueItems"]',
+                               "type": "invalid_request_error", "param": "tools", "code": None}

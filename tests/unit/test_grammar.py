@@ -51,10 +51,27 @@ def test_apply_token_bitmask_matches_a_per_token_loop():
         for t in range(50):
             if not (int(bitmask[r, t // 32]) >> (t % 32)) & 1:
                 expected[r, t] = float("-inf")
-    assert torch.equal(ops.apply_token_bitmask(logits, bitmask), expected)
+    assert torch.equal(ops.apply_token_bitmask(logits.clone(), bitmask), expected)
+    with torch.inference_mode():  # as in the runner
+        assert torch.equal(ops.apply_token_bitmask(logits.clone(), bitmask), expected)
+    bf16 = logits.bfloat16()  # the torch path (not a float32 array numpy can fill)
+    assert torch.equal(ops.apply_token_bitmask(bf16.clone(), bitmask), expected.bfloat16())
+    for some in (logits.clone(), bf16.clone()):  # bitmask rows 0 and 1 mask logits rows 2 and 0
+        ops.apply_token_bitmask(some, bitmask[:2], [2, 0])
+        want = torch.stack([expected_row(logits[0], bitmask[1]), logits[1], expected_row(logits[2], bitmask[0])])
+        assert torch.equal(some, want.to(some.dtype))
     wide = torch.zeros(1, 70)  # a vocabulary wider than 32 * words: the tail is forbidden
     ops.apply_token_bitmask(wide, torch.full((1, 2), -1, dtype=torch.int32))
     assert torch.isinf(wide[0, 64:]).all() and (wide[0, :64] == 0).all()
+
+
+def expected_row(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """``logits [V]`` with -inf wherever bit t of ``words`` is clear, one token at a time."""
+    out = logits.clone()
+    for t in range(out.shape[0]):
+        if not (int(words[t // 32]) >> (t % 32)) & 1:
+            out[t] = float("-inf")
+    return out
 
 
 def test_masks_after_drafts_equal_masks_after_consuming_them(lltok):

@@ -10,6 +10,7 @@ import pytest
 from tandem.sampling_params import SamplingParamsError
 from tandem.server.tool_parsers import HermesParser, Llama3JsonParser, PythonicParser
 from tandem.server.tools import AUTO_NEEDS_FLAGS, ToolCalling, ToolCallStream, extract_calls, finish_reason
+from tandem.structured_outputs import check_grammar
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -100,8 +101,9 @@ def test_plans_follow_vllm():
     with pytest.raises(SamplingParamsError, match='tool_choice must be "none"'):
         plain.plan([WEATHER], "always", None)
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}}}
+    bad_plan = plain.plan([bad], {"type": "function", "function": {"name": "f"}}, None)
     with pytest.raises(SamplingParamsError, match=r'Unimplemented keys: \["uniqueItems"\]') as info:
-        plain.plan([bad], {"type": "function", "function": {"name": "f"}}, None)
+        check_grammar(bad_plan.constraint, None, "tools")  # NOTE: the handler's check, off the event loop
     assert info.value.param == "tools"
     required = plain.plan([WEATHER], "required", False)
     assert required.constraint.json["maxItems"] == 1
