@@ -14,7 +14,8 @@ Cases (``--cases``, default: the first four), each one table with Tandem first, 
   hf-bf16       that checkpoint's bf16 Hugging Face folder: Tandem (and ``--tandem-quant`` rows) vs vLLM
                 CPU 0.32 vs AMD PACE 1.3, batch 1 and ``--batch`` (16) sequences
                 With ``--shapes qwen3-30b-a3b-l2`` (Qwen3-30B-A3B's widths and 128 experts, 2 layers) a -gguf
-                case is the mixture-of-experts table: Tandem at batch 1 and ``--batch``, llama.cpp at batch 1,
+                case is the mixture-of-experts table: Tandem at batch 1 and ``--batch``, llama.cpp at batch 1 (and
+                ``--batch`` in the q8_0 / q4_0 cases below),
                 GB/s counted over the weights a token reads (8 of 128 experts per layer). q8_0-gguf / q4_0-gguf
                 of a MoE shape (``qwen3-30b-a3b-l6``: 6 layers) write the random GGUF directly, tensor by tensor
                 (``moe_gguf.py``), and count the experts Tandem's kernels read per step: weight GB per token
@@ -279,18 +280,19 @@ def build_case(case: str, shape: str, args, work: Path) -> dict:  # noqa: ANN001
 
 
 def moe_case(case: str, shape: str, args, work: Path, llama, backends: list, unavailable: dict) -> dict:  # noqa: ANN001
-    """A quantized MoE table: a random GGUF written tensor by tensor (``moe_gguf``), Tandem at batch 1 and
-    ``--batch`` with the experts its kernels read counted per step, llama.cpp on the same file."""
+    """A quantized MoE table: a random GGUF written tensor by tensor (``moe_gguf``), Tandem (the experts its
+    kernels read counted per step) and llama.cpp on the same file, each at batch 1 and ``--batch``."""
     qtype = case.removesuffix("-gguf")
     path = moe_gguf.write_random_moe_gguf(shape, work / shape / f"model-{qtype}-random.gguf", qtype)
     tandem = TandemBackend(path, args.threads, args.batch, None, args.clock, name=f"tandem GGUF {qtype.upper()}")
     reads, sizes = moe_gguf.ExpertReads(tandem.engine.runner.model), moe_gguf.step_bytes(path)
     backends.append(tandem)
     llama(f"llama.cpp {qtype.upper()}", path)
+    batched = {b.name for b in backends}  # NOTE: llama.cpp's worker runs --batch sequences as one llama_batch
     file_gb = path.stat().st_size / 1e9
     return {"title": f"{case} ({shape}, random weights): {CASES[case]}", "vocab": SHAPES[shape]["vocab_size"],
             "weights": f"{path.name}, {file_gb:.3f} GB file, {sizes.active / 1e9:.3f} GB active per token",
-            "gb": sizes.active / 1e9, "backends": backends, "batched": {tandem.name}, "unavailable": unavailable,
+            "gb": sizes.active / 1e9, "backends": backends, "batched": batched, "unavailable": unavailable,
             "notes": lambda: f"{tandem.name}: " + moe_gguf.read_summary(reads.take(), sizes)}
 
 
