@@ -170,6 +170,9 @@ def test_structured_outputs_params_are_validated():
         StructuredOutputsParams()
     with pytest.raises(SamplingParamsError, match="non-empty list"):
         StructuredOutputsParams(choice=[])
+    for field, value in (("disable_any_whitespace", "yes"), ("disable_any_whitespace", None), ("json_object", 1)):
+        with pytest.raises(SamplingParamsError, match=f"structured_outputs.{field} has the wrong type"):
+            StructuredOutputsParams(**{"regex": "a", field: value} if field != "json_object" else {field: value})
     with pytest.raises(SamplingParamsError) as info:
         SamplingParams(structured_outputs={"regex": "a", "bogus": 1})
     assert info.value.param == "structured_outputs"
