@@ -8,8 +8,9 @@ weights as a llama.cpp GGUF (BF16, F16, Q8_0, Q4_0 or Q4_1) with the ``gguf`` pa
 
 Shapes are the published ``config.json`` values of Qwen/Qwen2.5-0.5B-Instruct,
 meta-llama/Llama-3.2-1B-Instruct and Qwen/Qwen3-30B-A3B (its real widths and expert counts, with 2 of
-its 48 layers, so it fits this machine: a mixture-of-experts shape). MoE experts are written to GGUF
-merged into llama.cpp's 3-D ``ffn_{gate,up,down}_exps`` tensors.
+its 48 layers, so it fits this machine: a mixture-of-experts shape; and with 6 layers, written straight to
+GGUF by ``moe_gguf.py``). MoE experts are written to GGUF merged into llama.cpp's 3-D ``ffn_{gate,up,down}_exps``
+tensors.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ SHAPES: dict[str, dict] = {
         bos_token_id=151643, eos_token_id=151645,
     ),
 }
+# 6 of the 48 layers: experts are 85% of the file and a third of a token's weight bytes (the rest: the LM head,
+# attention), and the Q4_0 file (2.4 GB, moe_gguf.write_random_moe_gguf) fits this 24 GiB shared machine.
+SHAPES["qwen3-30b-a3b-l6"] = {**SHAPES["qwen3-30b-a3b-l2"], "num_hidden_layers": 6}
 _NON_CONFIG = ("config_cls", "gguf_arch")
 
 
@@ -163,30 +167,9 @@ def write_gguf(hf_dir: Path, path: Path, qtype: str = "bf16") -> Path:
     if path.is_file():
         return path
     cfg = AutoConfig.from_pretrained(hf_dir)
-    arch = {"qwen2": "qwen2", "llama": "llama", "qwen3_moe": "qwen3moe"}[cfg.model_type]
+    arch = GGUF_ARCH[cfg.model_type]
     partial = path.with_name(path.name + ".partial")  # NOTE: renamed when complete: an interrupted write is redone
-    writer = gguf.GGUFWriter(str(partial), arch)
-    writer.add_name(f"random-{cfg.model_type}")
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_vocab_size(cfg.vocab_size)
-    if arch == "qwen3moe":
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-        writer.add_expert_count(cfg.num_experts)
-        writer.add_expert_used_count(cfg.num_experts_per_tok)
-        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-        writer.add_expert_weights_norm(bool(cfg.norm_topk_prob))
-    writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
-    _write_vocab(writer, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+    writer = new_writer(cfg, partial, file_type)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
     state = {}
     for f in sorted(Path(hf_dir).glob("*.safetensors")):
@@ -224,6 +207,39 @@ def write_gguf(hf_dir: Path, path: Path, qtype: str = "bf16") -> Path:
     writer.close()
     partial.rename(path)
     return path
+
+
+GGUF_ARCH = {"qwen2": "qwen2", "llama": "llama", "qwen3_moe": "qwen3moe"}  # HF model_type -> GGUF architecture
+
+
+def new_writer(cfg, path: Path, file_type: str):  # noqa: ANN001, ANN201 (a transformers config -> gguf.GGUFWriter)
+    """A ``gguf.GGUFWriter`` on ``path`` with ``cfg``'s metadata (llama.cpp's keys) and vocabulary written."""
+    import gguf
+
+    arch = GGUF_ARCH[cfg.model_type]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"random-{cfg.model_type}")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(cfg.vocab_size)
+    if arch == "qwen3moe":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        writer.add_expert_weights_norm(bool(cfg.norm_topk_prob))
+    writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
+    _write_vocab(writer, cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id)
+    return writer
 
 
 def _merge_experts(state: dict, num_experts: int) -> dict:

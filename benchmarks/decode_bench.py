@@ -14,8 +14,12 @@ Cases (``--cases``, default: the first four), each one table with Tandem first, 
   hf-bf16       that checkpoint's bf16 Hugging Face folder: Tandem (and ``--tandem-quant`` rows) vs vLLM
                 CPU 0.32 vs AMD PACE 1.3, batch 1 and ``--batch`` (16) sequences
                 With ``--shapes qwen3-30b-a3b-l2`` (Qwen3-30B-A3B's widths and 128 experts, 2 layers) a -gguf
-                case is the mixture-of-experts table: Tandem at batch 1 and ``--batch``, llama.cpp at batch 1,
-                GB/s counted over the weights a token reads (8 of 128 experts per layer)
+                case is the mixture-of-experts table: Tandem at batch 1 and ``--batch``, llama.cpp at batch 1 (and
+                ``--batch`` in the q8_0 / q4_0 cases below),
+                GB/s counted over the weights a token reads (8 of 128 experts per layer). q8_0-gguf / q4_0-gguf
+                of a MoE shape (``qwen3-30b-a3b-l6``: 6 layers) write the random GGUF directly, tensor by tensor
+                (``moe_gguf.py``), and count the experts Tandem's kernels read per step: weight GB per token
+                at batch 1 and ``--batch`` against the active-parameter bytes
   shapes        the older per-shape table: ``--tandem-quant`` / ``--tandem-gguf`` rows, transformers,
                 llama.cpp on BF16 and Q8_0 GGUF files of the same checkpoint (default shapes: all)
 Metrics (tokens/s, median of ``--repeats``):
@@ -50,6 +54,7 @@ import torch
 
 # This checkout's tandem (not whichever one is pip-installed), and the sibling benchmark modules.
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+import moe_gguf  # noqa: E402
 import peers  # noqa: E402
 from checkpoints import (  # noqa: E402
     GGUF_TYPES,
@@ -70,6 +75,7 @@ CASES = {
     "default-q4_k_m": "the default model requantized to Q4_K_M by llama.cpp's quantizer (Q5_0 / Q8_0 / Q4_K / Q6_K "
                       "tensors): Tandem vs llama.cpp, same file",
     "q8_0-gguf": "Q8_0 GGUF: Tandem vs llama.cpp, same file",
+    "q4_0-gguf": "Q4_0 GGUF: Tandem vs llama.cpp, same file",
     "bf16-gguf": "BF16 GGUF: Tandem vs llama.cpp, same file",
     "f16-gguf": "F16 GGUF: Tandem vs llama.cpp, same file",
     "hf-bf16": "bf16 HF checkpoint: Tandem vs vLLM CPU vs AMD PACE",
@@ -224,6 +230,8 @@ def build_case(case: str, shape: str, args, work: Path) -> dict:  # noqa: ANN001
         return {"title": f"{case}: {CASES[case]}", "weights": f"{path.name}, {path.stat().st_size / 1e9:.3f} GB file",
                 "gb": path.stat().st_size / 1e9, "vocab": gguf_vocab_size(path), "backends": backends,
                 "batched": batched, "unavailable": unavailable}
+    if case.removesuffix("-gguf") in moe_gguf.QTYPES and "num_experts" in SHAPES[shape]:
+        return moe_case(case, shape, args, work, llama, backends, unavailable)
     hf_dir = make_checkpoint(shape, work / shape / "hf")
     vocab = SHAPES[shape]["vocab_size"]
     gb = weight_bytes(hf_dir) / 1e9
@@ -271,6 +279,23 @@ def build_case(case: str, shape: str, args, work: Path) -> dict:  # noqa: ANN001
             "vocab": vocab, "backends": backends, "batched": batched, "unavailable": unavailable}
 
 
+def moe_case(case: str, shape: str, args, work: Path, llama, backends: list, unavailable: dict) -> dict:  # noqa: ANN001
+    """A quantized MoE table: a random GGUF written tensor by tensor (``moe_gguf``), Tandem (the experts its
+    kernels read counted per step) and llama.cpp on the same file, each at batch 1 and ``--batch``."""
+    qtype = case.removesuffix("-gguf")
+    path = moe_gguf.write_random_moe_gguf(shape, work / shape / f"model-{qtype}-random.gguf", qtype)
+    tandem = TandemBackend(path, args.threads, args.batch, None, args.clock, name=f"tandem GGUF {qtype.upper()}")
+    reads, sizes = moe_gguf.ExpertReads(tandem.engine.runner.model), moe_gguf.step_bytes(path)
+    backends.append(tandem)
+    llama(f"llama.cpp {qtype.upper()}", path)
+    batched = {b.name for b in backends}  # NOTE: llama.cpp's worker runs --batch sequences as one llama_batch
+    file_gb = path.stat().st_size / 1e9
+    return {"title": f"{case} ({shape}, random weights): {CASES[case]}", "vocab": SHAPES[shape]["vocab_size"],
+            "weights": f"{path.name}, {file_gb:.3f} GB file, {sizes.active / 1e9:.3f} GB active per token",
+            "gb": sizes.active / 1e9, "backends": backends, "batched": batched, "unavailable": unavailable,
+            "notes": lambda: f"{tandem.name}: " + moe_gguf.read_summary(reads.take(), sizes)}
+
+
 def run_case(case: str, shape: str, args, work: Path) -> dict:  # noqa: ANN001
     """Load the case's backends, warm them up, run ``--repeats`` interleaved repeats; per-repeat values."""
     spec = build_case(case, shape, args, work)
@@ -307,7 +332,8 @@ def run_case(case: str, shape: str, args, work: Path) -> dict:  # noqa: ANN001
             b.close()
     info = {b.name: b.info for b in spec["backends"] if getattr(b, "info", "")}
     return {"title": spec["title"], "weights": spec["weights"], "gb": spec["gb"], "results": results,
-            "unavailable": unavailable, "loads": loads, "info": info}
+            "unavailable": unavailable, "loads": loads, "info": info,
+            "notes": spec["notes"]() if "notes" in spec else ""}
 
 
 def format_case(res: dict) -> str:
@@ -334,6 +360,8 @@ def format_case(res: dict) -> str:
                      + ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in res["loads"]))
     for name, info in res["info"].items():
         lines.append(f"{name}: {' '.join(info.split())[:300]}")
+    if res.get("notes"):
+        lines.append(res["notes"])
     return "\n".join(lines)
 
 

@@ -1,10 +1,11 @@
-"""The fused MoE kernels side by side in one run: bf16, int8, int4 (Q4_0) and q8_0 experts.
+"""The fused MoE kernels side by side in one run: bf16, int8, int4 (Q4_0), q8_0 and q4_k_m experts.
 
 One MoE layer with Qwen3-30B-A3B's widths (hidden 2048, expert intermediate 768, 8 experts per token; ``--experts``
 of them, 64 by default to fit a shared machine's memory), random weights and routing, at each ``--tokens``
 count. Contenders run in rotation for ``--repeats`` rounds (a noisy machine slows them alike); printed: the median
 ms per call, the best round, and GB/s of the selected experts' weight bytes (each is read once per call: the MoE
-roofline counts exactly these bytes), and each format's speed-up over bf16 in the same run.
+roofline counts exactly these bytes), and each format's speed-up over bf16 in the same run. ``q4_k_m`` is
+llama.cpp's Q4_K_M expert mix: gate / up Q4_K, down Q6_K (``kernels.moe_kquant``).
 
     PYTHONPATH=$PWD python benchmarks/moe_kernel_bench.py [--tokens 1 16] [--threads 2] [--repeats 15]
                                                           [--threads 1 --clock cpu]  (on a loaded machine)
@@ -37,7 +38,21 @@ def experts(num: int, seed: int = 0) -> dict[str, tuple[torch.Tensor, ...]]:
         out["q8_0"] = tuple(t for n, k in ((2 * I, H), (H, I)) for t in (
             torch.randint(-128, 128, (num, n, k), dtype=torch.int8, generator=g),
             (torch.rand(num, n, k // 32, generator=g) * 2e-4).half()))
+    if kernels.available("moe_kquant"):  # random K-quant blocks: code bytes, small fp16 fields
+        out["q4_k_m"] = tuple(t for n, k, nbytes, halves in ((2 * I, H, 140, (2,)), (H, I, 208, ())) for t in (
+            torch.randint(0, 256, (num, n, k // 256 * nbytes), dtype=torch.uint8, generator=g),
+            (torch.rand(num, n, k // 256, *halves, generator=g) * 1e-3).half()))
     return out
+
+
+KQUANT_FORMATS = {"q4_k_m": ("q4_k", "q6_k")}  # name -> moe_kquant's (w13, w2) formats
+
+
+def call_kernel(fmt: str, x: torch.Tensor, tensors: tuple[torch.Tensor, ...], weights: torch.Tensor,
+                ids: torch.Tensor) -> torch.Tensor:
+    if fmt in KQUANT_FORMATS:
+        return kernels.moe_kquant(x, *tensors, weights, ids, *KQUANT_FORMATS[fmt])
+    return getattr(kernels, f"moe_{fmt}")(x, *tensors, weights, ids)
 
 
 def bytes_per_expert(tensors: tuple[torch.Tensor, ...]) -> float:
@@ -66,8 +81,8 @@ def main() -> None:
         ids = torch.stack([torch.randperm(args.experts, generator=g)[:K] for _ in range(t)])
         weights = torch.softmax(torch.randn(t, K, generator=g), dim=-1)
         selected = len(set(ids.flatten().tolist()))
-        calls = {fmt: (lambda fmt=fmt, x=x, weights=weights, ids=ids:
-                       getattr(kernels, f"moe_{fmt}")(x, *formats[fmt], weights, ids)) for fmt in formats}
+        calls = {fmt: (lambda fmt=fmt, x=x, weights=weights, ids=ids: call_kernel(fmt, x, formats[fmt], weights, ids))
+                 for fmt in formats}
         for call in calls.values():  # warm-up
             call()
         times: dict[str, list[float]] = {fmt: [] for fmt in calls}

@@ -26,7 +26,7 @@ from tandem.kernels.build import load_extension, selected_variant, unsupported_r
 
 __all__ = [
     "available", "backend", "dequantize", "linear_bf16", "moe_bf16", "moe_int4", "moe_int8", "moe_q8_0", "linear_int4",
-    "linear_int8", "linear_max_tokens", "paged_attention", "rms_norm", "rotary", "silu_and_mul",
+    "moe_kquant", "linear_int8", "linear_max_tokens", "paged_attention", "rms_norm", "rotary", "silu_and_mul",
     "supports_window_softcap", "unavailable_reason",
 ]
 
@@ -172,6 +172,22 @@ def moe_int4(
         RuntimeError: wrong dtypes or shapes, an expert id outside ``[0, E)`` (raised by the kernel).
     """
     return load_extension().moe_int4(x, w13_q, w13_s, w2_q, w2_s, weights, ids)
+
+
+def moe_kquant(
+    x: torch.Tensor, w13_q: torch.Tensor, w13_s: torch.Tensor, w2_q: torch.Tensor, w2_s: torch.Tensor,
+    weights: torch.Tensor, ids: torch.Tensor, w13_format: str, w2_format: str,
+) -> torch.Tensor:
+    """``moe_int8`` with a GGUF's Q4_K / Q6_K experts, as stored (``models.gguf_blocks``: a block's bytes but
+    its fp16 fields, and those fields): ``w13_format`` / ``w2_format`` ``"q4_k"`` (codes ``[E, N, K/256 * 140]``
+    uint8, scales ``[E, N, K/256, 2]`` fp16 (d, dmin)) or ``"q6_k"`` (``[E, N, K/256 * 208]``, ``[E, N, K/256]``),
+    N x K per expert ``2I x H`` for w13 and ``H x I`` for w2; H and I multiples of 256. Arithmetic as
+    ``linear_q4_k`` / ``linear_q6_k`` (activations quantized per token and block of 256, llama.cpp's q8_K).
+
+    Raises:
+        RuntimeError: an unknown format, wrong dtypes or shapes, an expert id outside ``[0, E)`` (the kernel).
+    """
+    return load_extension().moe_kquant(x, w13_q, w13_s, w2_q, w2_s, weights, ids, w13_format, w2_format)
 
 
 def dequantize(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -41,8 +41,8 @@ UNLIMITED = 1 << 30  # what ``max_tokens`` returns for "any size" (fits the kern
 _LINEAR_OPS = ("linear_bf16", "linear_int8", "linear_int4", "linear_q8_0", "linear_q4_1")
 # GGUF blocks, kernels/csrc/avx2/linear_kquant.cpp
 _AVX2_ONLY_LINEAR_OPS = ("linear_q5_0", "linear_q4_k", "linear_q6_k")
-# int8 / int4 experts, kernels/csrc/avx2/moe_quant.cpp
-_AVX2_ONLY_MOE_OPS = ("moe_int8", "moe_int4", "moe_q8_0")
+# int8 / int4 / q8_0 experts, kernels/csrc/avx2/moe_quant.cpp; Q4_K / Q6_K experts, moe_kquant.cpp
+_AVX2_ONLY_MOE_OPS = ("moe_int8", "moe_int4", "moe_q8_0", "moe_kquant")
 _DEQUANT_OPS = ("dequantize", "dequantize_q8_0", "dequantize_q4_1")
 _ELEMENTWISE_OPS = ("rms_norm", "fused_add_rms_norm", "rotary", "rotary_", "silu_and_mul")
 _THREAD_OPS = ("bind_omp_threads", "omp_thread_ids")

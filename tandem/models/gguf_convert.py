@@ -77,8 +77,10 @@ QUANTIZED_KEY = "tandem_quantized"
 QUANTIZED_VERSION = 1
 # Block types kept as they are -> QuantizedLinear format (block layouts: tandem/models/gguf_blocks.py).
 # Merged expert tensors kept as codes when a layer's three are all of one of these (the fused MoE kernel's
-# formats, ``kernels.moe_q8_0`` / ``moe_int4``); the others are dequantized.
+# formats, ``kernels.moe_q8_0`` / ``moe_int4``), or when gate and up share one of the K-quant ones and down is
+# in either (``kernels.moe_kquant``: llama.cpp's Q4_K_M mixes); the others are dequantized.
 KEPT_EXPERT_BLOCKS = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0)
+KEPT_EXPERT_KQUANTS = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
 _KEPT_BLOCKS = {
     GGMLQuantizationType.Q8_0: "q8_0",
     GGMLQuantizationType.Q4_0: "int4",
@@ -170,14 +172,22 @@ def _quantized_entries(module: str, tensor: ReaderTensor, permute_heads: int | N
 
 
 def _kept_expert_layers(tensors: list[ReaderTensor]) -> set[str]:
-    """The `blk.N` whose merged experts (`ffn_{gate,up,down}_exps`) are all in one of `KEPT_EXPERT_BLOCKS`:
-    kept as codes for the fused MoE kernel (`models/moe_quant.py`); other layers' experts are dequantized."""
-    types: dict[str, list] = {}
+    """The `blk.N` whose merged experts (`ffn_{gate,up,down}_exps`) are all in one of `KEPT_EXPERT_BLOCKS`, or
+    gate and up in one of `KEPT_EXPERT_KQUANTS` and down in either: kept as codes for the fused MoE kernels
+    (`models/moe_quant.py`); other layers' experts are dequantized."""
+    types: dict[str, dict[str, GGMLQuantizationType]] = {}
     for tensor in tensors:
-        if tensor.name.split(".")[-2] in gguf_moe.EXPERT_BASES:
-            types.setdefault(tensor.name.rsplit(".", 2)[0], []).append(tensor.tensor_type)
-    return {blk for blk, kinds in types.items()
-            if len(kinds) == 3 and len(set(kinds)) == 1 and kinds[0] in KEPT_EXPERT_BLOCKS}
+        base = tensor.name.split(".")[-2]
+        if base in gguf_moe.EXPERT_BASES:
+            types.setdefault(tensor.name.rsplit(".", 2)[0], {})[base] = tensor.tensor_type
+    kept = set()
+    for blk, kinds in types.items():
+        gate, up, down = (kinds.get(f"ffn_{p}_exps") for p in ("gate", "up", "down"))
+        if gate == up == down and gate in KEPT_EXPERT_BLOCKS:
+            kept.add(blk)
+        elif gate == up and gate in KEPT_EXPERT_KQUANTS and down in KEPT_EXPERT_KQUANTS:
+            kept.add(blk)
+    return kept
 
 
 def _plan(

@@ -7,8 +7,9 @@ llama.cpp stores each layer's experts merged into 3-D tensors, ``blk.N.ffn_{gate
 that layout), ``<block>.gate.weight`` and
 ``mlp.shared_expert.*`` / ``mlp.shared_expert_gate.weight``. A layer whose three merged expert tensors are
 all Q8_0 or all Q4_0 keeps their codes (``<block>.experts.{gate,up,down}_proj.qweight`` / ``.scale``, run by
-``kernels.moe_q8_0`` / ``moe_int4``); other block types (Q4_K, Q6_K, mixes, ...) are dequantized by the
-converter.
+``kernels.moe_q8_0`` / ``moe_int4``), and so does one whose gate and up are both Q4_K or both Q6_K and whose
+down is either (llama.cpp's Q4_K_M mixes, ``kernels.moe_kquant``); other block types and mixes are dequantized
+by the converter.
 
 Sources: llama.cpp's ``convert_hf_to_gguf.py`` (``Qwen2MoeModel``, ``Qwen3MoeModel``, Mixtral through
 ``LlamaModel``) and gguf-py's ``constants.py`` (key and tensor

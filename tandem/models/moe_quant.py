@@ -8,7 +8,8 @@ stacked. int4 needs ``H`` and ``I`` to be multiples of 32; otherwise the experts
 step, one OpenMP team); elsewhere (float32 models, the torch backend) the experts are dequantized once,
 kept, and run ``moe.moe_grouped``, as ``QuantizedLinear`` does. A GGUF's Q8_0 / Q4_0 experts
 (``gguf_convert`` keeps their codes) load into ``QuantizedExperts.empty`` as stored: ``q8_0`` (group-32
-int8, ``kernels.moe_q8_0``) or ``int4`` (which is Q4_0).
+int8, ``kernels.moe_q8_0``) or ``int4`` (which is Q4_0); Q4_K / Q6_K ones as ``q4_k`` / ``q6_k``
+(``kernels.moe_kquant``), where w13 (gate and up) and w2 (down) may differ, as in llama.cpp's Q4_K_M files.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tandem.models.moe import FusedExperts, SparseMoeBlock, moe_grouped
 from tandem.models.quant import GROUP, METHODS, dequantize_weight, quantize_int4, quantize_int8, quantized_shapes
 
 GGUF_FORMATS = ("q8_0", "int4")  # a GGUF's Q8_0 / Q4_0 experts, kept as stored (gguf_convert.KEPT_EXPERT_BLOCKS)
+KQUANT_FORMATS = ("q4_k", "q6_k")  # a GGUF's Q4_K / Q6_K experts (gguf_convert.KEPT_EXPERT_KQUANTS), w13 and w2 apart
 
 
 def quantize_stack(weights: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,6 +38,7 @@ class QuantizedExperts(nn.Module):
     """``FusedExperts`` with quantized weights (buffers ``w13_q``, ``w13_s``, ``w2_q``, ``w2_s``, see
     ``quantize_stack``): ``forward(x [T, H], weights [T, k], ids [T, k]) -> [T, H]`` in ``x``'s dtype.
 
+    ``method`` is the format of both stacks, or of w13 when ``w2_method`` (the K-quant formats) differs.
     ``dense`` is the torch path's dequantized ``(w13, w2)`` (None until a forward pass needs it).
 
     Raises:
@@ -43,6 +46,7 @@ class QuantizedExperts(nn.Module):
     """
 
     dense: tuple[torch.Tensor, torch.Tensor] | None = None
+    w2_method: str | None = None  # None: ``method``
 
     def __init__(self, experts: FusedExperts, method: str) -> None:
         super().__init__()
@@ -61,21 +65,25 @@ class QuantizedExperts(nn.Module):
             self.register_buffer(name, tensor)
 
     @classmethod
-    def empty(cls, method: str, num_experts: int, hidden: int, intermediate: int) -> QuantizedExperts:
-        """Uninitialized experts in a GGUF block format (``GGUF_FORMATS``) for the loader to fill with the file's
-        codes (``checkpoint_parts``).
+    def empty(cls, method: str, num_experts: int, hidden: int, intermediate: int,
+              w2_method: str | None = None) -> QuantizedExperts:
+        """Uninitialized experts in a GGUF block format (``GGUF_FORMATS``, or ``KQUANT_FORMATS`` with w2 in
+        ``w2_method`` when given) for the loader to fill with the file's codes (``checkpoint_parts``).
 
         Raises:
-            ValueError: another ``method``, or sizes that are not multiples of 32.
+            ValueError: another ``method`` or pair, or sizes that are not multiples of the format's block (32, 256).
         """
-        if method not in GGUF_FORMATS:
-            raise ValueError(f"expert codes must be one of {GGUF_FORMATS}, got {method!r}")
+        w2 = w2_method or method
+        if not (method in GGUF_FORMATS and w2 == method) and not (method in KQUANT_FORMATS and w2 in KQUANT_FORMATS):
+            raise ValueError(f"expert codes must be one of {GGUF_FORMATS}, or w13 and w2 each one of "
+                             f"{KQUANT_FORMATS}, got {method!r} / {w2!r}")
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self.num_experts, self.intermediate, self.method = num_experts, intermediate, method
+        self.w2_method = w2 if w2 != method else None
         parts = []
-        for n, k in ((2 * intermediate, hidden), (hidden, intermediate)):
-            shapes = quantized_shapes(method, n, k)
+        for fmt, n, k in ((method, 2 * intermediate, hidden), (w2, hidden, intermediate)):
+            shapes = quantized_shapes(fmt, n, k)
             parts += [torch.empty(num_experts, *shapes[p][0], dtype=shapes[p][1]) for p in ("qweight", "scale")]
         self._register(*parts)
         return self
@@ -92,20 +100,26 @@ class QuantizedExperts(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w13 [E, 2I, H], w2 [E, H, I])`` dequantized to ``dtype`` (the torch path and the tests' oracle)."""
-        return tuple(torch.stack([dequantize_weight(self.method, q, s) for q, s in zip(codes, scales, strict=True)])
-                     .to(dtype) for codes, scales in ((self.w13_q, self.w13_s), (self.w2_q, self.w2_s)))
+        stacks = ((self.method, self.w13_q, self.w13_s), (self.w2_method or self.method, self.w2_q, self.w2_s))
+        return tuple(torch.stack([dequantize_weight(fmt, q, s) for q, s in zip(codes, scales, strict=True)])
+                     .to(dtype) for fmt, codes, scales in stacks)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        op = f"moe_{self.method}"
+        kquant = self.method in KQUANT_FORMATS
+        op = "moe_kquant" if kquant else f"moe_{self.method}"
         if x.dtype == torch.bfloat16 and registry.use(op, x.shape[0]):
-            return getattr(kernels, op)(x, self.w13_q, self.w13_s, self.w2_q, self.w2_s, weights, ids)
+            tensors = (x, self.w13_q, self.w13_s, self.w2_q, self.w2_s, weights, ids)
+            if kquant:
+                return kernels.moe_kquant(*tensors, self.method, self.w2_method or self.method)
+            return getattr(kernels, op)(*tensors)
         compute = registry.torch_compute_dtype(x.dtype)
         if self.dense is None or self.dense[0].dtype != compute:
             self.dense = self.dequantized(compute)
         return moe_grouped(x.to(compute), *self.dense, weights, ids).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"experts={self.num_experts}, intermediate={self.intermediate}, method={self.method}"
+        w2 = f", w2_method={self.w2_method}" if self.w2_method else ""
+        return f"experts={self.num_experts}, intermediate={self.intermediate}, method={self.method}{w2}"
 
 
 def quantize_experts(model: nn.Module, method: str) -> None:
@@ -122,7 +136,8 @@ def quantize_experts(model: nn.Module, method: str) -> None:
 
 def use_quantized_experts(model: nn.Module, formats: dict[str, str]) -> None:
     """Give each MoE block whose checkpoint stores its experts' codes (``formats``: config.json's
-    ``tandem_quantized`` modules, one format for gate, up and down) empty ``QuantizedExperts`` to load them into.
+    ``tandem_quantized`` modules; gate and up in one format, down in the same one or, for the K-quant
+    formats, the other) empty ``QuantizedExperts`` to load them into.
 
     Changes: ``model``'s modules in place.
     """
@@ -130,7 +145,7 @@ def use_quantized_experts(model: nn.Module, formats: dict[str, str]) -> None:
         if not isinstance(block, SparseMoeBlock):
             continue
         prefix = block.checkpoint_prefix(name)
-        kinds = {formats.get(f"{prefix}.experts.{p}_proj") for p in ("gate", "up", "down")}
-        if len(kinds) == 1 and None not in kinds:
+        gate, up, down = (formats.get(f"{prefix}.experts.{p}_proj") for p in ("gate", "up", "down"))
+        if gate is not None and gate == up and down is not None:
             moe, hidden = block.moe, block.router.shape[1]
-            block.experts = QuantizedExperts.empty(kinds.pop(), moe.num_experts, hidden, moe.intermediate_size)
+            block.experts = QuantizedExperts.empty(gate, moe.num_experts, hidden, moe.intermediate_size, down)

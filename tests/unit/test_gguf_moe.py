@@ -19,7 +19,14 @@ from safetensors import safe_open
 from tandem.models.gguf_convert import convert_gguf
 from tests.conftest import _tiny_config
 from tests.parity.test_models_vs_hf import make_runner, rel_err
-from tests.unit.test_gguf_convert import bpe, encode, llama_cpp_permute, write_tokenizer_metadata  # noqa: F401
+from tests.unit.test_gguf_convert import (  # noqa: F401
+    bpe,
+    encode,
+    encode_q4_k,
+    encode_q6_k,
+    llama_cpp_permute,
+    write_tokenizer_metadata,
+)
 
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
 PERMUTED = ("mixtral",)
@@ -82,8 +89,11 @@ def _block(name, cfg, i, rest, data) -> dict[str, np.ndarray]:
     return {f"{blk}.{DENSE[leaf]}.weight": data}  # a dense layer (Qwen2-MoE's mlp_only_layers)
 
 
-def write_moe_gguf(path, name: str, model, tokenizer, expert_type: Q = Q.F32) -> dict[str, np.ndarray]:
-    """Write the GGUF; returns what each expert tensor holds (as llama.cpp would dequantize it)."""
+def write_moe_gguf(path, name: str, model, tokenizer, expert_type: Q = Q.F32,
+                   kquant: dict[str, Q] | None = None) -> dict[str, np.ndarray]:
+    """Write the GGUF; returns what each expert tensor holds (as llama.cpp would dequantize it). ``kquant``
+    ({"gate" | "up" | "down": Q4_K or Q6_K}) writes those experts as random K-quant blocks (gguf-py cannot
+    quantize to them), whose values are returned."""
     cfg, arch = model.config, GGUF_ARCH[name]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(cfg.max_position_embeddings)
@@ -107,9 +117,16 @@ def write_moe_gguf(path, name: str, model, tokenizer, expert_type: Q = Q.F32) ->
     if name == "qwen2_moe":
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     write_tokenizer_metadata(w, tokenizer, "qwen2" if name.startswith("qwen") else "default")
-    stored = {}
+    stored, rng = {}, np.random.default_rng(0)
     for gname, data in gguf_tensors(name, model).items():
         qtype = expert_type if "_exps" in gname else Q.F32
+        proj = gname.split(".")[-2].removeprefix("ffn_").removesuffix("_exps")
+        if "_exps" in gname and kquant and proj in kquant:
+            encoder = encode_q4_k if kquant[proj] == Q.Q4_K else encode_q6_k
+            blocks, values = encoder(rng, int(np.prod(data.shape[:-1])), data.shape[-1])
+            w.add_tensor(gname, blocks.reshape(*data.shape[:-1], -1), raw_dtype=kquant[proj])
+            stored[gname] = values.reshape(data.shape)
+            continue
         array, raw = encode(data, qtype)
         w.add_tensor(gname, array, raw_dtype=raw)
         if "_exps" in gname:
@@ -119,6 +136,16 @@ def write_moe_gguf(path, name: str, model, tokenizer, expert_type: Q = Q.F32) ->
     w.write_tensors_to_file()
     w.close()
     return stored
+
+
+def stored_logits(model, stored: dict[str, np.ndarray], prompt: list[int]) -> torch.Tensor:
+    """The reference: float32 logits of ``model`` with its experts replaced by the file's values (``stored``)."""
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            gate, up, down = (torch.from_numpy(stored[f"blk.{i}.ffn_{p}_exps.weight"]) for p in ("gate", "up", "down"))
+            layer.mlp.experts.gate_up_proj.copy_(torch.cat([gate, up], dim=1))
+            layer.mlp.experts.down_proj.copy_(down)
+        return model(torch.tensor([prompt])).logits[0]
 
 
 @pytest.mark.parametrize("name", list(GGUF_ARCH))
@@ -150,14 +177,8 @@ def test_q8_0_and_q4_0_experts_keep_their_codes(tmp_path, bpe, qtype, fmt):  # n
             codes, scales = (f.get_tensor(f"model.layers.0.mlp.experts.{proj}_proj.{p}") for p in ("qweight", "scale"))
             got = np.stack([dequantize_weight(fmt, c, s).numpy() for c, s in zip(codes, scales, strict=True)])
             assert np.array_equal(got, stored[f"blk.0.ffn_{proj}_exps.weight"]), proj
-    # the reference: the float model with its experts replaced by the dequantized blocks
-    with torch.no_grad():
-        for i, layer in enumerate(model.model.layers):
-            gate, up, down = (torch.from_numpy(stored[f"blk.{i}.ffn_{p}_exps.weight"]) for p in ("gate", "up", "down"))
-            layer.mlp.experts.gate_up_proj.copy_(torch.cat([gate, up], dim=1))
-            layer.mlp.experts.down_proj.copy_(down)
-        prompt = list(range(3, 20))
-        ref = model(torch.tensor([prompt])).logits[0]
+    prompt = list(range(3, 20))
+    ref = stored_logits(model, stored, prompt)
     runner = make_runner(out)
     assert [m.method for m in runner.model.modules() if isinstance(m, QuantizedExperts)] == [fmt] * 2
     assert rel_err(runner.prompt_logits(prompt), ref) < 1e-4
@@ -168,6 +189,35 @@ def test_q8_0_and_q4_0_experts_keep_their_codes(tmp_path, bpe, qtype, fmt):  # n
     # NOTE: bf16 itself is 1-6% off float32 here (Q4_0's values are not bf16 numbers); the int8 activations of
     # the quantized kernel add about 1% on top
     assert rel_err(ours, theirs) < 2**-5 and rel_err(ours, ref) < 0.1
+
+
+def test_q4_k_and_q6_k_experts_keep_their_codes(tmp_path, bpe):  # noqa: F811
+    """llama.cpp's Q4_K_M expert mix (gate / up Q4_K, down Q6_K) stays codes (``QuantizedExperts`` q4_k / q6_k,
+    run by kernels.moe_kquant in bf16); float32 logits match the model holding gguf-py's values of the blocks."""
+    from transformers import AutoModelForCausalLM
+
+    from tandem.models.moe_quant import QuantizedExperts
+
+    config = _tiny_config("qwen3_moe")
+    config.vocab_size, config.hidden_size, config.moe_intermediate_size = 320, 256, 256  # K-quants: multiples of 256
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p)) if pname.endswith("norm.weight") else p.normal_(0.0, 0.05)
+    kinds = {"gate": Q.Q4_K, "up": Q.Q4_K, "down": Q.Q6_K}
+    stored = write_moe_gguf(tmp_path / "m.gguf", "qwen3_moe", model, bpe, kquant=kinds)
+    out = convert_gguf(tmp_path / "m.gguf", tmp_path / "hf", progress=False)
+    prompt = list(range(3, 20))
+    ref = stored_logits(model, stored, prompt)
+    runner = make_runner(out)
+    experts = [m for m in runner.model.modules() if isinstance(m, QuantizedExperts)]
+    assert [(m.method, m.w2_method) for m in experts] == [("q4_k", "q6_k")] * 2
+    assert rel_err(runner.prompt_logits(prompt), ref) < 1e-4  # float32: the dequantized codes
+    bf16 = make_runner(out, dtype="bfloat16")  # kernels.moe_kquant on the file's codes
+    plain = make_runner(convert_gguf(tmp_path / "m.gguf", tmp_path / "hf-f32", progress=False, keep_quantized=False),
+                        dtype="bfloat16")
+    assert rel_err(bf16.prompt_logits(prompt), plain.prompt_logits(prompt)) < 2**-4
 
 
 def test_olmoe_gguf_is_refused_by_name(tmp_path, bpe):  # noqa: F811

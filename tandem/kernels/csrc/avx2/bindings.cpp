@@ -25,6 +25,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_q8_0", &moe_q8_0, "fused MoE, GGUF Q8_0 experts (codes [E, N, K], fp16 scales [E, N, K / 32])",
         py::arg("x"), py::arg("w13_q"), py::arg("w13_s"), py::arg("w2_q"), py::arg("w2_s"), py::arg("weights"),
         py::arg("ids"));
+  m.def("moe_kquant", &moe_kquant, "fused MoE, GGUF Q4_K / Q6_K experts (block bytes [E, N, blocks * 140 / 208])",
+        py::arg("x"), py::arg("w13_q"), py::arg("w13_s"), py::arg("w2_q"), py::arg("w2_s"), py::arg("weights"),
+        py::arg("ids"), py::arg("w13_format"), py::arg("w2_format"));
   m.def("moe_int4", &moe_int4, "fused MoE, Q4_0 experts (codes [E, N, K / 2], fp16 scales [E, N, K / 32])",
         py::arg("x"), py::arg("w13_q"), py::arg("w13_s"), py::arg("w2_q"), py::arg("w2_s"), py::arg("weights"),
         py::arg("ids"));

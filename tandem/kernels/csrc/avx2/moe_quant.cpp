@@ -30,26 +30,10 @@ namespace {
 using namespace tandem::avx2::quant;
 using tandem::avx2::QuantizedActivations;
 using tandem::avx2::moe::Routing;
+using tandem::avx2::moe::RowsOut;
 
 constexpr int kRB = 4;  // weight rows per tile (as linear_quant.cpp)
 constexpr int kMB = 2;  // assignments per tile
-
-// y[s, n] fp32 = acc * scale[n] (scale: an int8 expert's row scales, or none), rows of ld floats.
-struct RowsOut {
-  float* y;
-  int64_t ld;
-  const float* scale;
-
-  __attribute__((noinline)) void store(const float* acc, int64_t rows, int64_t tokens, int64_t m0,
-                                       int64_t row0) const {
-    for (int64_t m = 0; m < tokens; ++m)
-      for (int64_t r = 0; r < rows; ++r) {
-        __m128 v = _mm_set_ss(acc[m * rows + r]);
-        if (scale != nullptr) v = _mm_mul_ss(v, _mm_set_ss(scale[row0 + r]));
-        y[(m0 + m) * ld + row0 + r] = _mm_cvtss_f32(v);
-      }
-  }
-};
 
 // One [E, N, K] expert stack: codes and (int4) fp16 group scales or (int8) fp32 row scales.
 struct Experts {
@@ -110,13 +94,9 @@ void expert_pass(const Experts& ex, const Routing& r, const QuantizedActivations
 template <Kind F>
 at::Tensor run(at::Tensor x, const Experts& w13, const Experts& w2, int64_t E, at::Tensor weights, at::Tensor ids,
                const char* op) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, op, ": x must be [T, H] bf16");
+  tandem::avx2::moe::check_inputs(x, weights, ids, op);
   const int64_t T = x.size(0), H = x.size(1), I = w2.K;
-  TORCH_CHECK(w13.K == H && w13.N == 2 * I && w2.N == H, op, ": shapes of x ", x.sizes(), ", w13 [", w13.N, ", ",
-              w13.K, "] and w2 [", w2.N, ", ", w2.K, "] per expert do not match");
-  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == T && ids.scalar_type() == at::kLong, op, ": ids must be [T, k] int64");
-  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat, op,
-              ": weights must be [T, k] float32 like ids");
+  tandem::avx2::moe::check_shapes(x, w13.N, w13.K, w2.N, w2.K, op);
   auto out = at::empty({T, H}, x.options());
   if (T == 0) return out;
   const auto wts = weights.contiguous();
@@ -124,22 +104,15 @@ at::Tensor run(at::Tensor x, const Experts& w13, const Experts& w2, int64_t E, a
   const auto fp32 = x.options().dtype(at::kFloat);
 
   // Pass 1: the tokens of the sorted assignments, quantized per block; gu = their gate and up rows.
-  const auto index = at::from_blob(const_cast<int64_t*>(r.tok.data()), {r.A}, x.options().dtype(at::kLong));
-  const QuantizedActivations xa = tandem::avx2::quantize_activations(x.contiguous().index_select(0, index),
-                                                                     w13.of(0).blocks);
+  const QuantizedActivations xa =
+      tandem::avx2::quantize_activations(tandem::avx2::moe::sorted_rows(x, r), w13.of(0).blocks);
   auto gu = at::empty({r.A, 2 * I}, fp32);
   float* gup = gu.data_ptr<float>();
   expert_pass<F>(w13, r, xa, gup);
 
   // act = bf16(silu(gate) * up), then quantized per block for pass 2.
-  auto act = at::empty({r.A, I}, x.options());
-  c10::BFloat16* actp = act.data_ptr<c10::BFloat16>();
-  tandem::avx2::parallel_for(0, r.A, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s)
-      for (int64_t i = 0; i < I; ++i)
-        actp[s * I + i] = c10::BFloat16(tandem::avx2::moe::silu(gup[s * 2 * I + i]) * gup[s * 2 * I + I + i]);
-  });
-  const QuantizedActivations aa = tandem::avx2::quantize_activations(act, w2.of(0).blocks);
+  const QuantizedActivations aa =
+      tandem::avx2::quantize_activations(tandem::avx2::moe::swiglu_rows(gu, I), w2.of(0).blocks);
 
   // Pass 2: y = act . w2 rows; pass 3: the weighted sum per token.
   auto y = at::empty({r.A, H}, fp32);

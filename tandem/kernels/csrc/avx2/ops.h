@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -48,6 +49,9 @@ at::Tensor moe_int4(at::Tensor x, at::Tensor w13_q, at::Tensor w13_s, at::Tensor
                     at::Tensor weights, at::Tensor ids);
 at::Tensor moe_q8_0(at::Tensor x, at::Tensor w13_q, at::Tensor w13_s, at::Tensor w2_q, at::Tensor w2_s,
                     at::Tensor weights, at::Tensor ids);
+// moe_kquant.cpp: GGUF Q4_K / Q6_K experts (w13 and w2 each in "q4_k" or "q6_k")
+at::Tensor moe_kquant(at::Tensor x, at::Tensor w13_q, at::Tensor w13_s, at::Tensor w2_q, at::Tensor w2_s,
+                      at::Tensor weights, at::Tensor ids, std::string w13_format, std::string w2_format);
 
 // ../decoder_layer.cpp (ISA-independent: calls the functions above)
 std::tuple<at::Tensor, at::Tensor> decoder_layer(
