@@ -2,10 +2,11 @@
 
 1. Transfer: two engines in this process (a prefill engine with ``kv_role`` kv_producer, a decode engine's
    runner with a ``KVPuller``) on loopback: the prefill engine computes a long prompt once (its blocks held
-   under a lease), then the decode side pulls those blocks ``--repeats`` times (layer by layer, zero-copy
-   frames, written into its own cache) while the prefill engine serves between its steps. The same number
-   of bytes then goes through a plain TCP socket (``sendall`` from a thread, ``recv_into`` a preallocated
-   buffer). The ratio pull / raw socket is the figure of merit.
+   under a lease), then the decode side pulls those blocks ``--repeats`` times (the pull over ZeroMQ, the
+   bytes on the data connection: sent from views of the held blocks, received straight into its own cache)
+   while the prefill engine serves between its steps. After each pull the same number of bytes goes
+   through a plain TCP socket (``RawSocket``: one connection, ``sendall`` from a thread, ``recv_into`` a
+   preallocated buffer). The ratio pull / raw socket (of the medians) is the figure of merit.
 2. Serving (unless ``--no-serving``): one co-located ``tandem serve`` on cores 0,1 (2 threads) against a
    prefill server on core 0 + a decode server on core 1 (1 thread each) behind ``tandem router --prefill
    --decode --disagg-min-prompt-tokens`` (short prompts go straight to decode), one set-up at a time.
@@ -16,6 +17,8 @@
 
     python benchmarks/disagg_bench.py --model default --prompt-tokens 2000 --repeats 5 [--synthetic] \
         [--long-tokens 2000 --short-rate 0.5 --long-rate 0.05 --scales 0.5,1,2 --window-s 60]
+    python benchmarks/disagg_bench.py --model default --prompt-tokens 2000 --repeats 15 --synthetic --no-serving
+        # the transfer only (part 1)
 """
 
 from __future__ import annotations
@@ -111,38 +114,47 @@ def pull_times(producer: EngineCore, puller: KVPuller, params: dict, repeats: in
     return seconds, num_bytes
 
 
-def raw_socket_times(num_bytes: int, repeats: int) -> list[float]:
-    """Seconds to move ``num_bytes`` over one connected loopback TCP socket, per repeat (the connection
-    and the sender thread exist before the clock starts, as the KV puller's connection does)."""
-    payload = os.urandom(1 << 20) * (num_bytes >> 20) + os.urandom(num_bytes & ((1 << 20) - 1))
-    sink = memoryview(bytearray(num_bytes))
-    server = socket.create_server(("127.0.0.1", 0))
-    client = socket.create_connection(server.getsockname())
-    conn, _ = server.accept()
-    go = threading.Semaphore(0)
+class RawSocket:
+    """One loopback TCP connection and a sender thread, set up once: ``time_copy()`` moves ``num_bytes`` over
+    it (``sendall`` from a thread, ``recv_into`` a preallocated, already written buffer), as the KV puller's
+    persistent connection and warm cache are: neither side pays a connection or a page fault."""
 
-    def send() -> None:
-        for _ in range(repeats):
-            go.acquire()
-            client.sendall(payload)
+    def __init__(self, num_bytes: int) -> None:
+        self.num_bytes = num_bytes
+        self.payload = os.urandom(1 << 20) * (num_bytes >> 20) + os.urandom(num_bytes & ((1 << 20) - 1))
+        self.sink = memoryview(bytearray(self.payload))  # NOTE: written once, so its pages are mapped
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.client = socket.create_connection(self.server.getsockname())
+        self.conn, _ = self.server.accept()
+        self.go = threading.Semaphore(0)
+        self.sender = threading.Thread(target=self._send, daemon=True)
+        self.sender.start()
 
-    sender = threading.Thread(target=send)
-    sender.start()
-    seconds = []
-    for _ in range(repeats):
+    def _send(self) -> None:
+        while True:
+            self.go.acquire()
+            if self.payload is None:
+                return
+            self.client.sendall(self.payload)
+
+    def time_copy(self) -> float:
+        """Seconds of one copy of ``num_bytes`` (the sender starts when the clock does)."""
         t0 = time.perf_counter()
-        go.release()
+        self.go.release()
         got = 0
-        while got < num_bytes:
-            n = conn.recv_into(sink[got:], num_bytes - got)
+        while got < self.num_bytes:
+            n = self.conn.recv_into(self.sink[got:], self.num_bytes - got)
             if n == 0:
                 raise SystemExit("raw socket closed early")
             got += n
-        seconds.append(time.perf_counter() - t0)
-    sender.join()
-    for sock in (conn, client, server):
-        sock.close()
-    return seconds
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.payload = None
+        self.go.release()
+        self.sender.join()
+        for sock in (self.conn, self.client, self.server):
+            sock.close()
 
 
 def main() -> None:
@@ -181,11 +193,12 @@ def transfer(args: argparse.Namespace) -> dict:
                       timeout_s=60)
     num_bytes = len(params["remote_block_ids"]) * sum(  # NOTE: K and V of every layer of every held block
         k[0].nbytes + v[0].nbytes for layers in producer.runner.kv_cache_groups() for k, v in layers)
-    raw_s: list[float] = []
+    raw, raw_s = RawSocket(num_bytes), []
+    raw.time_copy()  # NOTE: as the first pull, not timed
     try:
-        pull_s, pulled = pull_times(producer, puller, params, args.repeats,
-                                    lambda: raw_s.extend(raw_socket_times(num_bytes, 1)))
+        pull_s, pulled = pull_times(producer, puller, params, args.repeats, lambda: raw_s.append(raw.time_copy()))
     finally:
+        raw.close()
         puller.close()
         producer.close()
     assert pulled == num_bytes, (pulled, num_bytes)

@@ -23,7 +23,6 @@ from typing import Any
 
 import msgspec
 import numpy as np
-import torch
 import zmq
 
 from tandem.disagg.data_channel import Gather, KVDataServer, SendJob
@@ -47,11 +46,6 @@ from tandem.kv_cache.transfer import as_rows
 logger = logging.getLogger(__name__)
 
 MAX_PEERS = 1024  # admitted or pending peers remembered at once; the oldest are forgotten first
-
-
-def tensor_frame(tensor: torch.Tensor) -> memoryview:
-    """A contiguous tensor's bytes as a buffer ZeroMQ can send without copying (any dtype)."""
-    return memoryview(tensor.contiguous().view(torch.uint8).numpy())
 
 
 class KVTransferServer:
@@ -230,8 +224,9 @@ class KVTransferServer:
         first, n = block_ids[0], len(block_ids)
         run = block_ids == list(range(first, first + n))
         index = None if run else np.asarray(block_ids, dtype=np.int64)
-        return [tensor_frame(cache[first:first + n]) if run else Gather(as_rows(cache), index)
+        rows = [as_rows(cache) if cache.is_contiguous() else as_rows(cache.contiguous())
                 for layers in self.kv_cache_groups() for pair in layers for cache in pair]
+        return [memoryview(r[first:first + n]).cast("B") if run else Gather(r, index) for r in rows]
 
     def _reply(self, peer: bytes, job: SendJob) -> bool:
         """Queues a pull's reply on the peer's data connection; a peer without one must handshake again."""

@@ -266,7 +266,11 @@ def test_aborts_on_either_side_free_both_sides(engines):
     consumer.add_request(Request("abort-d", list(PROMPT), dataclasses.replace(params, kv_transfer_params=kv_params),
                                  max_tokens=8))
     consumer.abort_requests(["abort-d"])  # the decode leg's client went away while its KV was on the wire
-    drain(producer, consumer, steps=200)
+    deadline = time.monotonic() + 10  # NOTE: the pull ends on the puller's thread, then its release travels
+    while time.monotonic() < deadline and producer.scheduler.kv_cache_manager.num_held_blocks:
+        drain(producer, consumer, steps=1)
+        time.sleep(0.001)
+    drain(producer, consumer)
     assert_clean(producer, consumer)
 
 

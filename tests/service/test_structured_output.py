@@ -153,6 +153,11 @@ def test_stream_of_a_constrained_completion_joins_to_valid_json(client):
      "the regex '[^\\\\s\\\\S]' cannot be enforced: it matches no text"),
     ({"structured_outputs": {"regexx": "a"}}, "structured_outputs", "structured_outputs has no field 'regexx'; its "
      "fields are json, regex, choice, grammar, json_object, disable_any_whitespace"),
+    # NOTE: these two reached the engine core, whose strict decoder then stopped it (a 503, and a crash loop)
+    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": "yes"}},
+     "structured_outputs.disable_any_whitespace", "structured_outputs.disable_any_whitespace has the wrong type"),
+    ({"structured_outputs": {"json_object": 1}}, "structured_outputs.json_object",
+     "structured_outputs.json_object has the wrong type"),
 ])
 def test_constraints_the_engine_cannot_honour_are_400(client, body, param, message):
     _, server = client
