@@ -8,10 +8,11 @@ runs every (batch, mode) case one after the other, so machine load hits both mod
 that goes first alternating from one repeat to the next. A case queues
 ``batch`` greedy requests of the same chat prompt (``ignore_eos``, ``max_tokens = gen-len``), steps the
 engine until every request has its first token, then times the steps after that: decode tokens/s =
-tokens those steps produced / their wall time. The JSON mode adds a schema (an object with a free-text
+tokens those steps produced / their summed wall time. The JSON mode adds a schema (an object with a free-text
 string, so the model can write ``gen-len`` tokens inside it; the grammar is compiled once, before
 timing). Printed: the median of the repeats per case, the ratio JSON / plain, the range of the repeats'
-own ratios (the noise), the 1-minute load average before and after.
+own ratios (the noise), the median of the repeats' median step times (robust to a load spike), the
+1-minute load average before and after.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLengt
 MESSAGES = [{"role": "user", "content": "Write a long story about a dragon as JSON with a title and a story."}]
 
 
-def run_case(llm: LLM, prompt_ids: list[int], batch: int, gen_len: int, schema: bool, tag: str) -> float:
-    """Decode tokens/s of ``batch`` requests (see the module docstring)."""
+def run_case(llm: LLM, prompt_ids: list[int], batch: int, gen_len: int, schema: bool, tag: str
+             ) -> tuple[float, float]:
+    """Decode tokens/s of ``batch`` requests and their median step time in seconds (module docstring)."""
     structured = StructuredOutputsParams(json=SCHEMA) if schema else None
     params = SamplingParams(temperature=0.0, max_tokens=gen_len, ignore_eos=True, structured_outputs=structured)
     engine = llm.engine
@@ -44,11 +46,12 @@ def run_case(llm: LLM, prompt_ids: list[int], batch: int, gen_len: int, schema: 
     while any(r.num_output_tokens == 0 for r in requests):
         engine.step()
     start_tokens = sum(r.num_output_tokens for r in requests)
-    t0 = time.perf_counter()
+    steps = []
     while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
         engine.step()
-    elapsed = time.perf_counter() - t0
-    return (sum(r.num_output_tokens for r in requests) - start_tokens) / elapsed
+        steps.append(time.perf_counter() - t0)
+    return (sum(r.num_output_tokens for r in requests) - start_tokens) / sum(steps), statistics.median(steps)
 
 
 def main() -> None:
@@ -66,21 +69,25 @@ def main() -> None:
     run_case(llm, prompt_ids, 1, 4, False, "warmup-plain")
     load_before = os.getloadavg()[0]
     results: dict[tuple[int, bool], list[float]] = {}
+    step_times: dict[tuple[int, bool], list[float]] = {}
     for repeat in range(args.repeats):
         for batch in args.batches:
             for schema in (False, True) if repeat % 2 == 0 else (True, False):  # NOTE: no mode always goes first
-                rate = run_case(llm, prompt_ids, batch, args.gen_len, schema, f"r{repeat}-b{batch}-{schema}")
+                rate, step = run_case(llm, prompt_ids, batch, args.gen_len, schema, f"r{repeat}-b{batch}-{schema}")
                 results.setdefault((batch, schema), []).append(rate)
+                step_times.setdefault((batch, schema), []).append(step)
     load_after = os.getloadavg()[0]
     print(f"decode tokens/s, median of {args.repeats}, gen-len {args.gen_len}, greedy; "
           f"load average {load_before:.1f} -> {load_after:.1f}")
-    print(f"{'batch':>5} {'plain':>10} {'json':>10} {'json/plain':>11}  per-repeat json/plain")
+    print(f"{'batch':>5} {'plain':>10} {'json':>10} {'json/plain':>11}  per-repeat json/plain  "
+          "median step ms plain / json")
     for batch in args.batches:
         plain = statistics.median(results[(batch, False)])
         json_rate = statistics.median(results[(batch, True)])
         ratios = sorted(j / p for p, j in zip(results[(batch, False)], results[(batch, True)], strict=True))
+        plain_ms, json_ms = (statistics.median(step_times[(batch, mode)]) * 1e3 for mode in (False, True))
         print(f"{batch:>5} {plain:>10.1f} {json_rate:>10.1f} {json_rate / plain:>11.3f}  "
-              f"{ratios[0]:.3f}-{ratios[-1]:.3f}")
+              f"{ratios[0]:.3f}-{ratios[-1]:.3f}  {plain_ms:.2f} / {json_ms:.2f}")
 
 
 if __name__ == "__main__":

@@ -46,13 +46,15 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
+        if self.disable_any_whitespace is None:  # NOTE: a client's null means the default
+            self.disable_any_whitespace = False
         # NOTE: every field checked here: the engine core's msgspec decoder is strict, and a request
         # of the wrong type reaching it (e.g. disable_any_whitespace "yes") stopped the core.
         checks = {"json": (str, dict), "regex": str, "grammar": str, "choice": list, "json_object": bool,
                   "disable_any_whitespace": bool}
         for name, types in checks.items():
             value = getattr(self, name)
-            if (value is not None or name == "disable_any_whitespace") and not isinstance(value, types):
+            if value is not None and not isinstance(value, types):
                 raise SamplingParamsError(f"structured_outputs.{name} has the wrong type", f"structured_outputs.{name}")
         kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         kinds += ["json_object"] if self.json_object else []

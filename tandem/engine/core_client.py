@@ -83,6 +83,7 @@ class EngineCoreClient:
         self.tmp_dir = tmp_dir
         self.encoder = make_encoder()
         self.decoder = msgspec.msgpack.Decoder(OutputMessage)
+        self._check_decoder = msgspec.msgpack.Decoder(InputMessage)  # the core's, to check an add first
         self.max_model_len = 0
         self.num_blocks = 0
         self.block_size = 0
@@ -236,9 +237,16 @@ class EngineCoreClient:
                         r.max_tokens, r.arrival_time)
             for r in requests
         ]
+        data = self.encoder.encode(AddRequests(parent_id, wire))
+        try:
+            # NOTE: the core's decoder is strict and a message it cannot decode stops it: a field of the
+            # wrong type that got past the front end's checks is this request's 400, not a core restart.
+            self._check_decoder.decode(data)
+        except msgspec.ValidationError as e:
+            raise EngineRequestError(400, f"the request has a field of the wrong type: {e}") from None
         self.flush_aborts()  # NOTE: aborts first: they free KV blocks the new request may need
         try:
-            self._send(AddRequests(parent_id, wire))
+            self.inputs.send(data, zmq.NOBLOCK, copy=False)
         except zmq.Again:
             raise EngineRequestError(429, "the engine core is busy (its input queue is full); retry later",
                                      BUSY_RETRY_AFTER_S) from None

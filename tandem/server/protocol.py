@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
 from pydantic_core import PydanticCustomError
 
@@ -132,6 +133,17 @@ class SamplingRequest(OpenAIModel):
     allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None
+
+    @field_validator("kv_transfer_params")
+    @classmethod
+    def _encodable(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The engine gets ``kv_transfer_params`` as is over msgpack, which holds integers in
+        [-2**63, 2**64 - 1] only (a wider one was a 500 when the request was sent)."""
+        try:
+            msgspec.msgpack.encode(value)
+        except OverflowError as e:
+            raise PydanticCustomError("int_range", "{error}", {"error": str(e)}) from None
+        return value
 
     def refuse_unsupported(self) -> None:
         """Raises: SamplingParamsError for the first of ``unsupported`` given a value (not null or empty)."""

@@ -228,7 +228,9 @@ class ModelRunner(RunnerKVCache):
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
             self.states.pop(request_id, None)
-            self._pending_grammars.pop(request_id, None)
+            pending = self._pending_grammars.pop(request_id, None)
+            if pending is not None:  # NOTE: a compile not started yet is skipped: it would hold up the
+                pending.cancel()  # grammars queued behind it (many clients gone while theirs waited)
             self.prompt_logprobs.pop(request_id, None)
         if self.speculator is not None:
             self.speculator.remove(scheduler_output.finished_request_ids)

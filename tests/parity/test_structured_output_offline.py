@@ -5,11 +5,13 @@ is queued."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
 from tandem import LLM, SamplingParams, StructuredOutputsParams
 from tandem.errors import EngineRequestError
+from tandem.outputs import SchedulerOutput
 from tandem.sampling_params import SamplingParamsError
 
 SCHEMA = {"type": "object", "properties": {"who": {"type": "string", "maxLength": 10},
@@ -61,3 +63,20 @@ def test_a_grammar_beyond_llguidance_limits_raises_and_frees_its_blocks(plain):
     assert plain.engine.scheduler.kv_cache_manager.usage == 0
     plain.engine.scheduler.check()
     assert plain.generate("Once", SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0].token_ids
+
+
+def test_a_finished_request_cancels_its_grammar_compile_not_yet_started(plain):
+    """A request aborted while its grammar waits for the compile thread does not leave the compile
+    queued: behind it, the grammars of requests still waiting would wait for it too."""
+    runner = plain.engine.runner
+    gate = threading.Event()
+    busy = runner.grammars._pool.submit(gate.wait, 30)  # NOTE: the single compile thread, held
+    digits = StructuredOutputsParams(regex="[0-9]{3}")
+    runner.prepare_grammar("gone", SamplingParams(structured_outputs=digits), frozenset({2}))
+    future = runner._pending_grammars["gone"]
+    runner._update_states(SchedulerOutput(finished_request_ids={"gone"}))
+    gate.set()
+    assert busy.result() is True
+    assert future.cancelled() and "gone" not in runner._pending_grammars
+    assert plain.generate("Once", SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=digits)
+                          )[0].outputs[0].text.isdigit()

@@ -54,6 +54,8 @@ LE = "Input should be less than or equal to"
     ("/v1/chat/completions", CHAT + '"max_completion_tokens": 100000000000000000000000}', "max_completion_tokens",
      f"max_completion_tokens: {LE} 2147483647"),
     ("/v1/completions", CMPL + '"n": 129}', "n", f"n: {LE} 128"),
+    ("/v1/completions", CMPL + '"kv_transfer_params": {"a": [100000000000000000000000]}}', "kv_transfer_params",
+     "kv_transfer_params: can't serialize ints < -2**63 or > 2**64 - 1"),
     ("/v1/chat/completions", CHAT + '"n": 129}', "n", f"n: {LE} 128"),
     # Strings that are not Unicode (lone UTF-16 surrogates) in every place a string reaches.
     ("/v1/completions", '{"prompt": "\\ud800 hi", "max_tokens": 4}', "prompt",

@@ -13,7 +13,7 @@ from tandem.engine.core_client import EngineCoreClient
 from tandem.engine.core_proc import AbortRequests, InputMessage
 from tandem.errors import EngineRequestError
 from tandem.request import Request
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class FakeProc:
@@ -51,6 +51,19 @@ def test_add_on_a_full_queue_is_429_with_retry_after(client):
     assert info.value.status == 429
     assert info.value.message == "the engine core is busy (its input queue is full); retry later"
     assert info.value.retry_after == 1.0
+
+
+def test_an_add_the_core_cannot_decode_is_400_and_never_sent(client):
+    """A field of the wrong type past the front end's checks stopped the core (its decoder is strict)."""
+    params = SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="a"))
+    params.structured_outputs.disable_any_whitespace = "yes"
+    req = Request(request_id="r1", prompt_token_ids=[1, 2], sampling_params=params, eos_token_ids=frozenset(),
+                  max_tokens=2)
+    with pytest.raises(EngineRequestError) as info:
+        client.add_requests("r1", [req])
+    assert info.value.status == 400
+    assert info.value.message == ("the request has a field of the wrong type: Expected `bool`, got `str` - at "
+                                  "`$.requests[0].sampling_params.structured_outputs.disable_any_whitespace`")
 
 
 def test_abort_on_a_full_queue_is_kept_and_sent_once_the_core_reads(client, tmp_path):

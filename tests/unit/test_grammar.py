@@ -170,7 +170,7 @@ def test_structured_outputs_params_are_validated():
         StructuredOutputsParams()
     with pytest.raises(SamplingParamsError, match="non-empty list"):
         StructuredOutputsParams(choice=[])
-    for field, value in (("disable_any_whitespace", "yes"), ("disable_any_whitespace", None), ("json_object", 1)):
+    for field, value in (("disable_any_whitespace", "yes"), ("disable_any_whitespace", 0), ("json_object", 1)):
         with pytest.raises(SamplingParamsError, match=f"structured_outputs.{field} has the wrong type"):
             StructuredOutputsParams(**{"regex": "a", field: value} if field != "json_object" else {field: value})
     with pytest.raises(SamplingParamsError) as info:
@@ -182,6 +182,7 @@ def test_structured_outputs_params_are_validated():
         grammar_text(StructuredOutputsParams(json="[1, 2]"))
     params = SamplingParams(structured_outputs={"choice": ["x"]})
     assert params.structured_outputs == StructuredOutputsParams(choice=["x"])
+    assert StructuredOutputsParams(regex="a", disable_any_whitespace=None).disable_any_whitespace is False
 
 
 def _nested_any_of(depth: int) -> dict:
