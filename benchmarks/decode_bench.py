@@ -213,7 +213,7 @@ def build_case(case: str, shape: str, args, work: Path) -> dict:  # noqa: ANN001
     def llama(name: str, path: Path) -> None:
         if "llama.cpp" in want:
             _try_peer(backends, unavailable, name, lambda: peers.llama_cpp_backend(
-                name, path, args.threads, args.clock, venv=args.llama_cpp_venv))
+                name, path, args.threads, args.clock, venv=args.llama_cpp_venv, max_batch=args.batch))
 
     if case in ("default-q4_1", "default-q4_k_m"):
         from tandem.models.resolve import default_model_gguf

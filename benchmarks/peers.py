@@ -255,11 +255,11 @@ class WorkerBackend:
 
 
 def llama_cpp_backend(name: str, gguf_path: Path, threads: int, clock: str, venv: Path | None = None,
-                      n_ctx: int = 1024) -> WorkerBackend:
+                      n_ctx: int = 1024, max_batch: int = 1) -> WorkerBackend:
     python = ensure_venv("llama.cpp", venv)
     return WorkerBackend(name, python, "llama_cpp_worker.py",
                          {"path": str(gguf_path), "threads": threads, "n_ctx": n_ctx, "clock": clock},
-                         log=BENCH_CACHE / "llama_cpp_worker.log")
+                         log=BENCH_CACHE / "llama_cpp_worker.log", max_batch=max_batch)
 
 
 _QUANTIZE = """

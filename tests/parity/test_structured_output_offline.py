@@ -5,6 +5,7 @@ is queued."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -61,3 +62,21 @@ def test_a_grammar_beyond_llguidance_limits_raises_and_frees_its_blocks(plain):
     assert plain.engine.scheduler.kv_cache_manager.usage == 0
     plain.engine.scheduler.check()
     assert plain.generate("Once", SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0].token_ids
+
+
+def test_an_aborted_request_cancels_its_grammar_compile_not_yet_started(plain):
+    """A request aborted while its grammar waits for the compile thread does not leave the compile
+    queued (behind it the grammars of requests still waiting would wait too), at once: with no
+    request left no engine step runs."""
+    engine, gate = plain.engine, threading.Event()
+    busy = engine.runner.grammars._pool.submit(gate.wait, 30)  # NOTE: the single compile thread, held
+    digits = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[0-9]{3}"))
+    request = plain.processor.make_requests("gone", [1, 403], digits)[0]
+    engine.add_request(request)
+    future = engine.runner._pending_grammars[request.request_id]
+    engine.abort_requests([request.request_id])
+    assert future.cancelled() and not engine.has_unfinished_requests()
+    gate.set()
+    assert busy.result() is True
+    assert plain.generate("Once", digits)[0].outputs[0].text.isdigit()
+    assert request.request_id not in engine.runner._pending_grammars  # dropped at that step
