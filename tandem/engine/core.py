@@ -169,6 +169,7 @@ class EngineCore:
         """Stops these requests and frees their KV blocks at once; unknown ids are ignored."""
         ids = list(request_ids)
         self.scheduler.abort_requests(ids)
+        self.runner.cancel_grammars(ids)  # NOTE: now: with no request left no step runs to tell the runner
         if self._request_connector is not None:
             self._request_connector.abort_requests(ids)
 

@@ -225,12 +225,19 @@ class ModelRunner(RunnerKVCache):
         self._pending_grammars[request_id] = future
         return future.done
 
+    def cancel_grammars(self, request_ids: list[str]) -> None:
+        """Cancels the grammar compiles of these (aborted) requests that have not started: queued behind
+        the compile thread they would hold up the grammars of requests still waiting."""
+        for request_id in request_ids:
+            pending = self._pending_grammars.get(request_id)
+            if pending is not None:
+                pending.cancel()
+
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        self.cancel_grammars(list(scheduler_output.finished_request_ids))
         for request_id in scheduler_output.finished_request_ids:
             self.states.pop(request_id, None)
-            pending = self._pending_grammars.pop(request_id, None)
-            if pending is not None:  # NOTE: a compile not started yet is skipped: it would hold up the
-                pending.cancel()  # grammars queued behind it (many clients gone while theirs waited)
+            self._pending_grammars.pop(request_id, None)
             self.prompt_logprobs.pop(request_id, None)
         if self.speculator is not None:
             self.speculator.remove(scheduler_output.finished_request_ids)

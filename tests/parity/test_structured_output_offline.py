@@ -11,7 +11,6 @@ import pytest
 
 from tandem import LLM, SamplingParams, StructuredOutputsParams
 from tandem.errors import EngineRequestError
-from tandem.outputs import SchedulerOutput
 from tandem.sampling_params import SamplingParamsError
 
 SCHEMA = {"type": "object", "properties": {"who": {"type": "string", "maxLength": 10},
@@ -65,18 +64,19 @@ def test_a_grammar_beyond_llguidance_limits_raises_and_frees_its_blocks(plain):
     assert plain.generate("Once", SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0].token_ids
 
 
-def test_a_finished_request_cancels_its_grammar_compile_not_yet_started(plain):
+def test_an_aborted_request_cancels_its_grammar_compile_not_yet_started(plain):
     """A request aborted while its grammar waits for the compile thread does not leave the compile
-    queued: behind it, the grammars of requests still waiting would wait for it too."""
-    runner = plain.engine.runner
-    gate = threading.Event()
-    busy = runner.grammars._pool.submit(gate.wait, 30)  # NOTE: the single compile thread, held
-    digits = StructuredOutputsParams(regex="[0-9]{3}")
-    runner.prepare_grammar("gone", SamplingParams(structured_outputs=digits), frozenset({2}))
-    future = runner._pending_grammars["gone"]
-    runner._update_states(SchedulerOutput(finished_request_ids={"gone"}))
+    queued (behind it the grammars of requests still waiting would wait too), at once: with no
+    request left no engine step runs."""
+    engine, gate = plain.engine, threading.Event()
+    busy = engine.runner.grammars._pool.submit(gate.wait, 30)  # NOTE: the single compile thread, held
+    digits = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[0-9]{3}"))
+    request = plain.processor.make_requests("gone", [1, 403], digits)[0]
+    engine.add_request(request)
+    future = engine.runner._pending_grammars[request.request_id]
+    engine.abort_requests([request.request_id])
+    assert future.cancelled() and not engine.has_unfinished_requests()
     gate.set()
     assert busy.result() is True
-    assert future.cancelled() and "gone" not in runner._pending_grammars
-    assert plain.generate("Once", SamplingParams(temperature=0.0, max_tokens=4, structured_outputs=digits)
-                          )[0].outputs[0].text.isdigit()
+    assert plain.generate("Once", digits)[0].outputs[0].text.isdigit()
+    assert request.request_id not in engine.runner._pending_grammars  # dropped at that step

@@ -26,6 +26,9 @@ class WiredRunner:
     max_model_len = 256
     speculator = None
 
+    def cancel_grammars(self, request_ids: list[str]) -> None:
+        """No grammar is ever compiled here (these tests have no structured output)."""
+
     def __init__(self, block_size: int) -> None:
         self.fake = FakeRunner()
         self.block_size = block_size
