@@ -8,10 +8,13 @@ For each of "quiet" and "busy" (``--busy`` Python spin loops started by this scr
 allowed core: the co-tenant of issue 11's goal), runs greedy batch-1 decode in a fresh process for each
 configuration: Tandem's defaults (no ``num_threads``: what a user gets), 2 threads with libgomp's
 default wait policy (spin 300000 iterations before sleeping), with short spins (``GOMP_SPINCOUNT``),
-with ``OMP_WAIT_POLICY=passive``, 1 thread; all but the first with ``TANDEM_OMP_WAIT=keep``, so that
-Tandem's own OpenMP default (``tandem/worker/cpu_env.py``) does not change what the row names. Each worker prints
-wall-clock tokens/s over ``--tokens`` new tokens after a warm-up generation; a cell is the median of
-``--repeats`` fresh processes. The last column is busy / quiet (goal: >= 0.45x; a fair share of the
+with ``OMP_WAIT_POLICY=passive``, 1 thread (these with ``TANDEM_OMP_WAIT=keep``, so that Tandem's own
+OpenMP default, ``tandem/worker/cpu_env.py``, does not change what the row names), and Tandem's defaults
+with the avx2 worker team's yields off (``TANDEM_YIELD_US=0``, ``csrc/avx2/parallel.cpp``). Each worker
+prints wall-clock tokens/s over ``--tokens`` new tokens after a warm-up generation; a cell is the median
+of ``--repeats`` fresh processes. Each repeat runs its quiet cells, then its busy ones, so the two
+columns of a repeat are minutes apart (other tenants' load drifts); the table also gives each repeat's
+busy / quiet. The last column is busy / quiet (goal: >= 0.45x; a fair share of the
 cores is 0.5x with one co-tenant per core). A fresh process per cell because libgomp reads
 ``OMP_WAIT_POLICY`` when it starts.
 
@@ -43,7 +46,8 @@ CONFIGS = (("Tandem defaults (no num_threads)", None, {}),
            ("2 threads, OMP_WAIT_POLICY=passive", 2, {**KEEP, "OMP_WAIT_POLICY": "passive"}),
            ("1 thread", 1, KEEP),
            ("2 threads, GOMP_SPINCOUNT=10000", 2, {**KEEP, "GOMP_SPINCOUNT": "10000"}),
-           ("2 threads, GOMP_SPINCOUNT=1000", 2, {**KEEP, "GOMP_SPINCOUNT": "1000"}))
+           ("2 threads, GOMP_SPINCOUNT=1000", 2, {**KEEP, "GOMP_SPINCOUNT": "1000"}),
+           ("Tandem defaults, TANDEM_YIELD_US=0 (team workers never yield)", None, {"TANDEM_YIELD_US": "0"}))
 GOAL = 0.45
 
 
@@ -104,32 +108,42 @@ def main(argv: list[str] | None = None) -> None:
           f"Tandem kernel backend: {peers.kernel_backend()}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         model = resolve_model(args.model, Path(args.work_dir) if args.work_dir else Path(tmp))
-        results: dict[str, dict[str, float]] = {name: {} for name, _, _ in configs}
-        loads = {}
-        for busy in (False, True):
-            column = "busy" if busy else "quiet"
-            spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                        for _ in range(args.busy if busy else 0)]
-            try:
-                before = os.getloadavg()[0]
-                for name, threads, env in configs:
-                    values = [run_cell(model, threads, env, args.tokens) for _ in range(args.repeats)]
-                    results[name][column] = statistics.median(values)
-                    print(f"  {column:5s} {name}: {values}", flush=True)
-                loads[column] = (before, os.getloadavg()[0])
-            finally:
-                for s in spinners:
-                    s.kill()
-                    s.wait()
-        print(f"\n{Path(model).name}, batch-1 decode tokens/s, {args.tokens} tokens, median of {args.repeats}\n")
-        print(f"| configuration | quiet | {args.busy} busy process(es) | busy / quiet (goal >= {GOAL}x) |")
-        print("|---|---|---|---|")
-        for name, r in results.items():
-            ratio = r["busy"] / r["quiet"] if r.get("quiet") else float("nan")
-            mark = "" if ratio >= GOAL else " (below)"
-            print(f"| {name} | {r['quiet']:.2f} | {r['busy']:.2f} | {ratio:.2f}x{mark} |")
-        print("\nload average (1 min) before -> after: "
-              + ", ".join(f"{k} {a:.2f} -> {b:.2f}" for k, (a, b) in loads.items()))
+        values: dict[str, dict[str, list[float]]] = {name: {"quiet": [], "busy": []} for name, _, _ in configs}
+        loads: dict[str, list[float]] = {"quiet": [], "busy": []}
+        # NOTE: each repeat runs its quiet cells and then its busy cells, so that the two columns of a
+        # repeat are minutes apart, not a whole run: other tenants' load drifts on a shared machine.
+        for rep in range(args.repeats):
+            for column in ("quiet", "busy"):
+                spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                            for _ in range(args.busy if column == "busy" else 0)]
+                try:
+                    loads[column].append(os.getloadavg()[0])
+                    for name, threads, env in configs:
+                        values[name][column].append(run_cell(model, threads, env, args.tokens))
+                        print(f"  repeat {rep + 1} {column:5s} {name}: {values[name][column][-1]:.2f}", flush=True)
+                    loads[column].append(os.getloadavg()[0])
+                finally:
+                    for s in spinners:
+                        s.kill()
+                        s.wait()
+        print_table(Path(model).name, args, values, loads)
+
+
+def print_table(model: str, args: argparse.Namespace, values: dict[str, dict[str, list[float]]],
+                loads: dict[str, list[float]]) -> None:
+    """The markdown table: per configuration the medians, their ratio, and the per-repeat ratios."""
+    print(f"\n{model}, batch-1 decode tokens/s, {args.tokens} tokens, median of {args.repeats}\n")
+    print(f"| configuration | quiet | {args.busy} busy process(es) | busy / quiet (goal >= {GOAL}x) "
+          "| per repeat |")
+    print("|---|---|---|---|---|")
+    for name, v in values.items():
+        quiet, busy = statistics.median(v["quiet"]), statistics.median(v["busy"])
+        ratio = busy / quiet if quiet else float("nan")
+        mark = "" if ratio >= GOAL else " (below)"
+        pairs = ", ".join(f"{b / q:.2f}" for q, b in zip(v["quiet"], v["busy"], strict=True))
+        print(f"| {name} | {quiet:.2f} | {busy:.2f} | {ratio:.2f}x{mark} | {pairs} |")
+    print("\nload average (1 min) at the start and end of each column: "
+          + ", ".join(f"{k} {min(a):.2f}-{max(a):.2f}" for k, a in loads.items()))
 
 
 if __name__ == "__main__":
