@@ -119,11 +119,11 @@ class SchedulerConfig:
 
 # NOTE: the CPU serving default (`tandem serve`, `tandem engine`; the library keeps vLLM's). vLLM's CPU API
 # server takes 2,048 tokens per step with no chunk cap; a GPU runs such a step in milliseconds, one CPU core
-# in 10-30 s (SmolLM2-135M, Zen 1), and every running request's next token waits for it. So: chunks of at
-# most 256 tokens (about 2-4 s on one core), one prompt with more than that left computing at a time (vLLM
-# V0's --max-long-partial-prefills default, 1), and prefix hits first (lpm): a hit samples within a step or
-# two instead of queueing behind every long prompt's chunks. The budget (2,048) still lets many short
-# prompts start together.
+# in about 30 s (SmolLM2-135M, Zen 1, under load), and every running request's next token waits for it. So:
+# chunks of at most 256 tokens (an eighth of that step), one prompt with more than that left computing at a
+# time (vLLM V0's --max-long-partial-prefills default, 1), and prefix hits first (lpm): a hit samples within
+# a step or two instead of queueing behind every long prompt's chunks. The budget (2,048) still lets many
+# short prompts start together.
 CPU_SERVE_SCHEDULING = SchedulerConfig(long_prefill_token_threshold=256, max_long_partial_prefills=1,
                                        policy="lpm")
 

@@ -253,7 +253,8 @@ class Scheduler(RemoteKVMixin):
                              self.config.long_prefill_token_threshold, self.config.max_long_partial_prefills)
         order = self.waiting  # a snapshot, in policy order
         if self.config.policy == "lpm":
-            order = lpm_order(order, lambda r: self._prefix(r)[2], self.num_steps, self.config.lpm_max_wait_steps)
+            order = lpm_order(order, lambda r: self._prefix(r)[2], self.num_steps, self.config.lpm_max_wait_steps,
+                              self.block_size)
         for request in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return

@@ -33,18 +33,31 @@ def test_order_longest_hit_first_ties_fcfs_aged_first_in_fcfs():
     queued = {"a": 0, "b": 9, "c": 1, "d": 9, "e": 2, "f": 9}
     for rid, r in reqs.items():
         r.queued_step = queued[rid]
-    order = lpm_order(reqs.values(), lambda r: hits[r.request_id], step=10, max_wait_steps=9)
+    order = lpm_order(reqs.values(), lambda r: hits[r.request_id], step=10, max_wait_steps=9, block_size=4)
     # a, c (waited 10 and 9 steps) are aged: first, in FCFS order; then f, b, d (b before d: FCFS), e
     assert [r.request_id for r in order] == ["a", "c", "f", "b", "d", "e"]
-    order = lpm_order(reqs.values(), lambda r: hits[r.request_id], step=10, max_wait_steps=100)
+    order = lpm_order(reqs.values(), lambda r: hits[r.request_id], step=10, max_wait_steps=100, block_size=4)
     assert [r.request_id for r in order] == ["f", "b", "d", "c", "a", "e"]
 
 
 def test_a_queue_longer_than_sglangs_limit_stays_fcfs():
     reqs = [make_request(f"r{i}", 4) for i in range(LPM_MAX_QUEUE + 1)]
-    order = lpm_order(reqs, lambda r: int(r.request_id[1:]), step=0, max_wait_steps=32)
+    order = lpm_order(reqs, lambda r: int(r.request_id[1:]), step=0, max_wait_steps=32, block_size=4)
     assert order == reqs
-    assert lpm_order(reqs[:3], lambda r: int(r.request_id[1:]), step=0, max_wait_steps=32) == reqs[2::-1]
+    assert lpm_order(reqs[:3], lambda r: int(r.request_id[1:]), step=0, max_wait_steps=32, block_size=4) == reqs[2::-1]
+
+
+def test_equal_hits_the_prefix_most_waiting_requests_share_first():
+    # block hashes by hand: x1 and y1 open two prefixes; y is shared by three requests, x by two
+    reqs = {rid: make_request(rid, 8) for rid in "abcdefg"}
+    blocks = {"a": [11, 12], "b": [21, 22], "c": [11, 13], "d": [21, 23], "e": [31], "f": [21, 24],
+              "g": [41, 42]}
+    for rid, r in reqs.items():
+        r.block_hashes = blocks[rid]
+    hits = {"g": 4}  # g's first block is cached: its next block (42) is its own
+    order = lpm_order(reqs.values(), lambda r: hits.get(r.request_id, 0), step=0, max_wait_steps=32,
+                      block_size=4)
+    assert [r.request_id for r in order] == ["g", "b", "d", "f", "a", "c", "e"]
 
 
 @pytest.mark.parametrize("policy, expected", [
