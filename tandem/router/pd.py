@@ -9,9 +9,9 @@ One request, as vLLM's disaggregation proxy and vllm-router's PD mode send it:
    prefix cache (this proxy does not follow its cache).
 3. Prefill leg: the client's body with ``"kv_transfer_params": {"do_remote_decode": true, ...}``,
    ``max_tokens`` (and ``max_completion_tokens``) 1, ``n`` 1, ``stream`` false, no ``stream_options``,
-   ``min_tokens`` or ``best_of``. A refusal (4xx) is the client's answer; an unreachable prefill server
-   sends the request to the decode server alone (it prefills itself), as do several prompts in one
-   body and prompt logprobs (``decode_only``).
+   ``min_tokens`` or ``best_of``. A refusal (4xx) is the client's answer; an unreachable prefill server,
+   or one answering 5xx (its engine died or restarts), sends the request to the decode server alone (it
+   prefills itself), as do several prompts in one body and prompt logprobs (``decode_only``).
 4. Decode leg: the client's body plus the ``kv_transfer_params`` of the prefill leg's response; its
    answer (an SSE stream or JSON) is relayed to the client as it comes. A client that leaves closes
    the decode leg, so the decode server aborts and frees both sides' blocks.
@@ -113,6 +113,11 @@ class PDProxy:
             return await self._relay(decode, path, body, headers)
         finally:
             self.outstanding[prefill] -= 1
+        if answer.status_code >= 500:  # NOTE: its engine died or is restarting: the decode engine can prefill
+            logger.warning("prefill server %s answered %d: the decode server prefills itself", prefill,
+                           answer.status_code)
+            self.num_prefill_unreachable += 1
+            return await self._relay(decode, path, body, headers)
         if answer.status_code != 200:
             return Response(answer.content, answer.status_code, media_type="application/json",
                             headers=_retry_after(answer))

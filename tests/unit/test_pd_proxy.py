@@ -98,3 +98,12 @@ def test_batched_prompts_and_prompt_logprobs_go_straight_to_decode():
         assert answer.status_code == 200 and seen == [(f"{DECODE}/v1/completions", body)], body
     answer, seen = serve({"prompt": list(range(40)), "max_tokens": 4, "echo": True})  # NOTE: one token-id prompt
     assert [url for url, _ in seen] == [f"{PREFILL}/v1/completions", f"{DECODE}/v1/completions"]
+
+
+def test_a_prefill_server_answering_503_lets_decode_prefill():
+    """A prefill server whose engine core died answers 503 while it restarts: that 503 was the client's answer
+    although the decode server could serve the request alone."""
+    body = {"prompt": " ".join(["word"] * 40), "max_tokens": 12}
+    answer, seen = serve(body, prefill_status=503)
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == "decoded"
+    assert seen[-1] == (f"{DECODE}/v1/completions", body)
