@@ -35,7 +35,7 @@ grep -q 'tcp://10.78.0.2:' /tmp/ray2ns_serve.log || fail "no engine actor on nod
 ask() { $A curl -s -m 60 -o /dev/null -w '%{http_code}' 127.0.0.1:8000/v1/completions -H 'content-type: application/json' \
   -d "{\"model\":\"$MODEL\",\"prompt\":\"Once upon a time\",\"max_tokens\":4,\"temperature\":0}"; }
 engines() { $A curl -s 127.0.0.1:8000/load | python -c 'import sys, json
-print(" ".join(f"{e[\"engine\"]}:{e[\"pid\"]}:{e[\"healthy\"]}:{e[\"restarts\"]}" for e in json.load(sys.stdin)["engines"]))'; }
+print(" ".join("%s:%s:%s:%s" % (e["engine"], e["pid"], e["healthy"], e["restarts"]) for e in json.load(sys.stdin)["engines"]))'; }
 echo "engines (index:pid:healthy:restarts): $(engines)"
 PID=""
 for e in $(engines); do p=${e#*:}; p=${p%%:*}; [ "$(ip netns identify "$p")" = rB ] && PID=$p; done
