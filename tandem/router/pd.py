@@ -8,9 +8,10 @@ One request, as vLLM's disaggregation proxy and vllm-router's PD mode send it:
    saves). NOTE: the count is of all prompt tokens, not of those missing from the decode server's
    prefix cache (this proxy does not follow its cache).
 3. Prefill leg: the client's body with ``"kv_transfer_params": {"do_remote_decode": true, ...}``,
-   ``max_tokens`` (and ``max_completion_tokens``) 1, ``stream`` false, no ``stream_options``. A
-   refusal (4xx) is the client's answer; an unreachable prefill server sends the request to the
-   decode server alone (it prefills itself).
+   ``max_tokens`` (and ``max_completion_tokens``) 1, ``n`` 1, ``stream`` false, no ``stream_options``,
+   ``min_tokens`` or ``best_of``. A refusal (4xx) is the client's answer; an unreachable prefill server
+   sends the request to the decode server alone (it prefills itself), as do several prompts in one
+   body and prompt logprobs (``decode_only``).
 4. Decode leg: the client's body plus the ``kv_transfer_params`` of the prefill leg's response; its
    answer (an SSE stream or JSON) is relayed to the client as it comes. A client that leaves closes
    the decode leg, so the decode server aborts and frees both sides' blocks.
@@ -99,7 +100,7 @@ class PDProxy:
             return APIError(400, "the body must be a JSON object", "invalid_request_error", None, None).response()
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
         decode = self.choose(self.decode)
-        if self.config.min_prompt_tokens and await self._is_short(decode, body, headers):
+        if decode_only(body) or self.config.min_prompt_tokens and await self._is_short(decode, body, headers):
             self.num_direct += 1
             return await self._relay(decode, path, body, headers)
         prefill = self.choose(self.prefill)
@@ -160,10 +161,25 @@ class PDProxy:
             self.outstanding[url] -= 1
 
 
+def decode_only(body: dict[str, Any]) -> bool:
+    """True for a body the decode server must prefill itself: several prompts (one prefill leg holds one
+    prompt's KV), or prompt logprobs (``prompt_logprobs``, ``echo`` with ``logprobs`` or ``max_tokens`` 0:
+    they need every prompt position computed where the answer is made)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and any(isinstance(p, str | list) for p in prompt):
+        return True
+    return body.get("prompt_logprobs") is not None or bool(body.get("echo")) and (
+        body.get("logprobs") is not None or body.get("max_tokens") == 0)
+
+
 def prefill_leg(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill leg's body for a client body (vLLM's proxy protocol; see the module docstring)."""
+    """The prefill leg's body for a client body (vLLM's proxy protocol; see the module docstring): one
+    completion of one token (``n`` / ``best_of`` 1, no ``min_tokens``: the decode leg samples them all)."""
     leg = {**body, "kv_transfer_params": dict(PREFILL_LEG_PARAMS), "stream": False, "max_tokens": 1}
-    leg.pop("stream_options", None)
+    for key in ("stream_options", "min_tokens", "best_of"):
+        leg.pop(key, None)
+    if "n" in leg:
+        leg["n"] = 1
     if "max_completion_tokens" in leg:
         leg["max_completion_tokens"] = 1
     return leg

@@ -70,3 +70,31 @@ def test_unreachable_prefill_lets_decode_prefill_and_a_refusal_is_passed_through
     answer, seen = serve(body, prefill_status=400)
     assert answer.status_code == 400 and answer.json() == {"error": {"message": "too long"}}
     assert [url for url, _ in seen][-1] == f"{PREFILL}/v1/completions"
+
+
+def test_the_prefill_leg_is_one_completion_of_one_token():
+    """n, best_of and min_tokens belong to the decode leg: a prefill leg with n 3 or min_tokens 5 (above its
+    max_tokens 1) was refused with a 400, so such requests failed through the router."""
+    body = {"prompt": " ".join(["word"] * 40), "max_tokens": 12, "n": 3, "best_of": 3, "min_tokens": 5,
+            "temperature": 0.9, "seed": 4}
+    answer, seen = serve(body)
+    assert answer.status_code == 200
+    prefill_leg, decode_leg = seen[1][1], seen[2][1]
+    assert prefill_leg == {"prompt": body["prompt"], "max_tokens": 1, "n": 1, "temperature": 0.9, "seed": 4,
+                           "stream": False, "kv_transfer_params": prefill_leg["kv_transfer_params"]}
+    assert decode_leg == {**body, "kv_transfer_params": KV}
+
+
+def test_batched_prompts_and_prompt_logprobs_go_straight_to_decode():
+    """A prefill leg holds one prompt's KV, and prompt logprobs need every position computed on the decode
+    side: such bodies were sent to the prefill server (its held blocks wasted until lease expiry) and the
+    decode server answered 400 to prompt logprobs."""
+    long = " ".join(["word"] * 40)
+    for body in ({"prompt": [long, long + " two"], "max_tokens": 4}, {"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 4},
+                 {"prompt": long, "max_tokens": 4, "prompt_logprobs": 1},
+                 {"prompt": long, "max_tokens": 4, "echo": True, "logprobs": 1},
+                 {"prompt": long, "max_tokens": 0, "echo": True}):
+        answer, seen = serve(body)
+        assert answer.status_code == 200 and seen == [(f"{DECODE}/v1/completions", body)], body
+    answer, seen = serve({"prompt": list(range(40)), "max_tokens": 4, "echo": True})  # NOTE: one token-id prompt
+    assert [url for url, _ in seen] == [f"{PREFILL}/v1/completions", f"{DECODE}/v1/completions"]
