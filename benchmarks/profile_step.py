@@ -2,6 +2,7 @@
 
 Usage:
     python benchmarks/profile_step.py [--shape qwen2.5-0.5b] [--batch 1] [--steps 8] [--threads 2]
+    python benchmarks/profile_step.py --gguf FILE.gguf [--batch 1]   (e.g. moe_gguf.py's MoE files)
 
 Builds the checkpoint (``checkpoints.make_checkpoint``; reused with ``--work-dir``), starts
 ``--batch`` greedy sequences, runs a few decode steps, then profiles ``--steps`` decode steps and
@@ -24,10 +25,12 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checkpoints import SHAPES, make_checkpoint  # noqa: E402
 
-KERNELS = ("linear_bf16", "linear_int8", "linear_int4", "paged_attention", "rms_norm", "rotary", "silu_and_mul",
-           "fused_add_rms_norm", "rotary_", "decoder_layer")
+KERNELS = ("linear_bf16", "linear_int8", "linear_int4", "linear_q8_0", "linear_q4_1", "linear_q5_0", "linear_q4_k",
+           "linear_q6_k", "paged_attention", "rms_norm", "rotary", "silu_and_mul", "fused_add_rms_norm", "rotary_",
+           "decoder_layer", "moe_bf16", "moe_int8", "moe_int4", "moe_q8_0", "moe_kquant")
 CATEGORIES = {
     "linear": ("tandem::linear", "aten::linear", "aten::addmm", "aten::mm", "aten::matmul"),
+    "MoE experts (one call per layer)": ("tandem::moe",),
     "attention": ("tandem::paged_attention", "aten::_scaled_dot_product", "aten::index_copy"),
     "sampling, casts": ("aten::max", "aten::argmax", "aten::log_softmax", "aten::_to_copy", "aten::copy_"),
     "norm/rope/act": ("tandem::rms_norm", "tandem::rotary", "tandem::silu_and_mul", "aten::silu", "aten::rsqrt",
@@ -68,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quantization", default=None)
     p.add_argument("--work-dir")
+    p.add_argument("--gguf", help="profile this GGUF file instead of a random --shape checkpoint")
     p.add_argument("--unfused", action="store_true",
                    help="run each layer's kernels from Python (per-kernel breakdown) instead of one C++ call")
     args = p.parse_args(argv)
@@ -81,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     from tandem.sampling_params import SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:
-        hf_dir = make_checkpoint(args.shape, Path(args.work_dir or tmp) / args.shape / "hf")
+        work = Path(args.work_dir or tmp) / args.shape / "hf"
+        hf_dir = Path(args.gguf) if args.gguf else make_checkpoint(args.shape, work)
         model_kwargs = {"quantization": args.quantization} if args.quantization else {}
         config = EngineConfig(model=ModelConfig(model=str(hf_dir), max_model_len=1024, **model_kwargs),
                               cache=CacheConfig(kv_cache_gib=0.25),
@@ -106,8 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     by_cat: dict[str, float] = defaultdict(float)
     for e in events:
         by_cat[_category(e.key)] += e.self_cpu_time_total / 1e3 / args.steps
-    print(f"\n{args.shape}, batch {args.batch}, threads {args.threads}: {1e3 * wall:.2f} ms per decode step "
-          f"without the profiler ({args.batch / wall:.1f} tokens/s)")
+    print(f"\n{args.gguf or args.shape}, batch {args.batch}, threads {args.threads}: {1e3 * wall:.2f} ms per decode "
+          f"step without the profiler ({args.batch / wall:.1f} tokens/s)")
     print("| category | self CPU ms/step (profiled) |\n|---|---|")
     for cat, ms in sorted(by_cat.items(), key=lambda kv: -kv[1]):
         print(f"| {cat} | {ms:.2f} |")
