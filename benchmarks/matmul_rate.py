@@ -15,7 +15,7 @@ warm-up calls, 2 * M * K * N flops per call. The rate is the median over shapes 
 of that shape, or a local HF folder), in the same run: ``--rounds`` rounds, each the torch.mm rate
 above, then one 512-token prefill (the engine step that prefills the prompt and samples its first
 token) and 16 sequences' decode steps (32-token prompts, 16 tokens each; the steps after the first),
-timed by ``decode_bench.TandemBackend``. Flops counted: prefill 2 * P * 512 with P the decoder layers'
+timed by ``bench_backends.TandemBackend``. Flops counted: prefill 2 * P * 512 with P the decoder layers'
 linear weights (q, k, v, o, gate, up, down; 358M for Qwen2.5-0.5B); a 16-sequence decode step
 2 * (P + vocab * hidden) * 16 (the LM head runs on all 16 rows). Not counted: attention scores,
 norms, RoPE, the prefill's one LM-head row. The table gives each as a fraction of the round's rate
@@ -107,8 +107,8 @@ def measure_tandem(model: str, threads: int, rounds: int, repeats: int, work: Pa
     import numpy as np
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_backends import TandemBackend
     from checkpoints import SHAPES, make_checkpoint
-    from decode_bench import TandemBackend
 
     path = make_checkpoint(model, work / model / "hf") if model in SHAPES else Path(model)
     config = json.loads((path / "config.json").read_text())
