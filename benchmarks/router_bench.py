@@ -5,16 +5,18 @@ Usage:
         [--num-system-prompts 8] [--questions 4] [--question-tokens 16] [--output-len 16]
         [--concurrency 4,8,16] [--policies round-robin,least-load,kv-aware] [--kv-events]
         [--workloads shared,random] [--single-on shared,random]
-        [--long-prefill-token-threshold 128] [--max-long-partial-prefills 1] [--work-dir DIR] [--json FILE]
+        [--long-prefill-token-threshold 256] [--max-long-partial-prefills 1] [--scheduling-policy lpm]
+        [--work-dir DIR] [--json FILE]
 
 Starts three ``tandem serve`` processes of ``--model`` (default: the default model): engines A and B
 with one thread each, pinned to cores 0 and 1, and engine S with two threads on cores 0-1; and one
-``tandem router`` per policy over A and B. All three engines get the same scheduler settings:
-prefill chunks of at most ``--long-prefill-token-threshold`` tokens and ``--max-long-partial-prefills``
-long prompts at once (defaults 128 and 1), so a prefix hit samples within a step or two instead of
-waiting behind every 1,000-token prompt's chunks; ``0 0`` gives the engine defaults (one step takes up
-to 2,048 tokens, i.e. about 30 s on one core of this model). S is measured directly (no router). Everything is stopped
-at the end (process groups, SIGTERM then SIGKILL).
+``tandem router`` per policy over A and B. All three engines get the same scheduler settings, by default
+``tandem serve``'s CPU defaults (``CPU_SERVE_SCHEDULING``): prefill chunks of at most
+``--long-prefill-token-threshold`` tokens (256), ``--max-long-partial-prefills`` long prompts at once (1),
+so a prefix hit samples within a step or two instead of waiting behind every 1,000-token prompt's chunks,
+and ``--scheduling-policy`` lpm (longest prefix-cache hit first); ``0 0 fcfs`` gives vLLM's (one step
+then takes up to 2,048 tokens, about 30 s on one core of this model). S is measured directly (no router).
+Everything is stopped at the end (process groups, SIGTERM then SIGKILL).
 
 Workloads (each run draws fresh random prompts, so no run finds another's blocks in a cache):
 - ``shared``: ``--num-system-prompts`` random system prompts of exactly ``--system-tokens`` tokens,
@@ -51,6 +53,7 @@ import httpx
 from tandem.bench.client import BenchConfig, run_benchmark
 from tandem.bench.datasets import SampleRequest, load_tokenizer, random_requests
 from tandem.bench.metrics import calculate_metrics
+from tandem.config import CPU_SERVE_SCHEDULING
 
 REPO = Path(__file__).resolve().parents[1]
 SERVED = "bench"
@@ -101,7 +104,8 @@ def serve(name: str, args: argparse.Namespace, work: Path, threads: int, cores: 
            "--port", str(port), "--num-threads", str(threads), "--cpu-bind", cores,
            "--kv-cache-gib", str(args.kv_cache_gib), "--max-queue-len", "4096",
            "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
-           "--max-long-partial-prefills", str(args.max_long_partial_prefills)]
+           "--max-long-partial-prefills", str(args.max_long_partial_prefills),
+           "--scheduling-policy", args.scheduling_policy]
     if args.model:
         cmd += ["--model", args.model]
     if args.kv_events and threads == 1:
@@ -196,11 +200,14 @@ def main() -> int:
     p.add_argument("--single-on", default=None,
                    help="the workloads engine S runs too (default: all; the goals use S on shared only)")
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
-    p.add_argument("--long-prefill-token-threshold", type=int, default=128,
+    cpu = CPU_SERVE_SCHEDULING
+    p.add_argument("--long-prefill-token-threshold", type=int, default=cpu.long_prefill_token_threshold,
                    help="every engine's prefill chunk cap (tokens; 0 = the step budget)")
-    p.add_argument("--max-long-partial-prefills", type=int, default=1,
+    p.add_argument("--max-long-partial-prefills", type=int, default=cpu.max_long_partial_prefills,
                    help="every engine's limit on prompts with more than the threshold left computing at once "
                         "(0 = none): prefix hits then overtake long prompts")
+    p.add_argument("--scheduling-policy", default=cpu.policy, choices=["fcfs", "lpm"],
+                   help="every engine's admission order (lpm: longest prefix-cache hit first)")
     p.add_argument("--kv-events", action="store_true",
                    help="engines A and B publish KV events (kv-aware then routes on them; default: the "
                         "router's approximate prefix index)")

@@ -9,11 +9,13 @@ import logging
 import sys
 
 from tandem.config import (
+    CPU_SERVE_SCHEDULING,
     DATA_PARALLEL_BACKENDS,
     DEFAULT_MAX_QUEUE_LEN,
     KERNEL_BACKENDS,
     QUANTIZATION_METHODS,
     ROUTING_POLICIES,
+    SCHEDULING_POLICIES,
     SELF_QUANT_TYPES,
     SPECULATIVE_METHODS,
     CacheConfig,
@@ -56,13 +58,21 @@ def add_engine_args(p: argparse.ArgumentParser, cpu_bind_default: str = "none", 
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="disable automatic prefix caching")
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
-                   help="most tokens of one request's prefill per step (default 0: the budget)")
-    p.add_argument("--max-long-partial-prefills", type=int, default=0,
+    cpu = CPU_SERVE_SCHEDULING  # NOTE: the CPU serving defaults; the reasons are in tandem/config/engine.py
+    p.add_argument("--max-num-batched-tokens", type=int, default=cpu.max_num_batched_tokens)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=cpu.long_prefill_token_threshold,
+                   help="most tokens of one request's prefill per step; 0: the budget "
+                        f"(default {cpu.long_prefill_token_threshold})")
+    p.add_argument("--max-long-partial-prefills", type=int, default=cpu.max_long_partial_prefills,
                    help="with --long-prefill-token-threshold: how many requests with more tokens than that left "
-                        "compute at once; the others wait while short ones (prefix hits) go first (default 0: "
-                        "no limit)")
+                        "compute at once; the others wait while short ones (prefix hits) go first; 0: no limit "
+                        f"(default {cpu.max_long_partial_prefills})")
+    p.add_argument("--scheduling-policy", default=cpu.policy, choices=SCHEDULING_POLICIES,
+                   help="admission order: fcfs, priority (the request's priority, lower first) or lpm (longest "
+                        f"prefix-cache hit first, SGLang's) (default {cpu.policy})")
+    p.add_argument("--lpm-max-wait-steps", type=int, default=cpu.lpm_max_wait_steps,
+                   help="under lpm, the steps after which a waiting request is no longer overtaken by later "
+                        f"arrivals with longer prefix hits (default {cpu.lpm_max_wait_steps})")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch threads (default: the allowed cores, capped by the cgroup CPU quota)")
     p.add_argument("--cpu-bind", default=cpu_bind_default, metavar="auto|none|LIST",
@@ -99,8 +109,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_num_seqs=args.max_num_seqs,
                                   long_prefill_token_threshold=args.long_prefill_token_threshold,
-                                  max_long_partial_prefills=getattr(args, "max_long_partial_prefills", 0),
-                                  max_queue_len=getattr(args, "max_queue_len", 0)),
+                                  max_long_partial_prefills=args.max_long_partial_prefills,
+                                  max_queue_len=getattr(args, "max_queue_len", 0),
+                                  policy=args.scheduling_policy, lpm_max_wait_steps=args.lpm_max_wait_steps),
         num_threads=args.num_threads,
         speculative=_speculative_config_from_args(args),
         cpu_bind=getattr(args, "cpu_bind", "none"),
@@ -130,6 +141,7 @@ def _llm_from_args(args: argparse.Namespace):
         enable_prefix_caching=c.cache.enable_prefix_caching, max_num_seqs=c.scheduler.max_num_seqs,
         max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
         long_prefill_token_threshold=c.scheduler.long_prefill_token_threshold,
+        max_long_partial_prefills=c.scheduler.max_long_partial_prefills, scheduling_policy=c.scheduler.policy,
         num_threads=c.num_threads, chat_template=c.model.chat_template, speculative_config=c.speculative,
         quantization=c.model.quantization, cpu_bind=c.cpu_bind, kernel_backend=c.model.kernel_backend,
     )

@@ -82,6 +82,7 @@ class Request:
     ready_check: Callable[[], bool] | None = None
     kv_lease_id: str | None = None
     block_hash_root: int | None = None
+    queued_step: int = 0  # the scheduler's step count when it last entered the waiting queue (lpm aging)
 
     @property
     def priority(self) -> int:

@@ -7,6 +7,7 @@ error and the checks they share). Import every name from ``tandem.config``.
 
 from tandem.config.common import ConfigError, is_loopback_host, parse_tcp_address
 from tandem.config.engine import (
+    CPU_SERVE_SCHEDULING,
     DEFAULT_MAX_QUEUE_LEN,
     KERNEL_BACKENDS,
     MAX_SPECULATIVE_TOKENS,
@@ -39,7 +40,8 @@ from tandem.config.server import (
 )
 
 __all__ = [
-    "DATA_PARALLEL_BACKENDS", "DEFAULT_MAX_QUEUE_LEN", "ENGINE_SECRET_ENV", "KERNEL_BACKENDS", "KV_CONNECTORS",
+    "CPU_SERVE_SCHEDULING", "DATA_PARALLEL_BACKENDS", "DEFAULT_MAX_QUEUE_LEN", "ENGINE_SECRET_ENV", "KERNEL_BACKENDS",
+    "KV_CONNECTORS",
     "KV_EVENTS_PUBLISHERS", "KV_ROLES", "KV_SECRET_ENV", "MAX_SPECULATIVE_TOKENS", "PREFILL_FAILURE_POLICIES",
     "QUANTIZATION_METHODS", "ROUTING_POLICIES", "SCHEDULING_POLICIES", "SELF_QUANT_TYPES", "SPECULATIVE_METHODS",
     "TOOL_CALL_PARSERS", "CacheConfig", "ConfigError", "EngineConfig", "KVEventsConfig", "KVTransferConfig",

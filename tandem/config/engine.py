@@ -16,7 +16,7 @@ KERNEL_BACKENDS = ("auto", "avx512_bf16", "avx2", "torch")
 # Waiting engine requests beyond which the server answers 429: a queue this deep already waits minutes on
 # a CPU, and a bound keeps memory and latency finite under overload.
 DEFAULT_MAX_QUEUE_LEN = 1024
-SCHEDULING_POLICIES = ("fcfs", "priority")
+SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 SPECULATIVE_METHODS = ("ngram", "draft", "pard", "self-quant")
 SELF_QUANT_TYPES = ("int8", "int4")
 MAX_SPECULATIVE_TOKENS = 16
@@ -84,8 +84,12 @@ class SchedulerConfig:
     option; ``scheduler/admission.py``); 0 = no limit.
     ``max_queue_len`` bounds the engine requests waiting in the server (the core's waiting queue plus
     those being tokenized or sent); beyond it the server answers 429. 0 = unbounded.
-    ``policy`` orders admission: "fcfs" (arrival order) or "priority" (``SamplingParams.priority``,
-    lower first, ties by arrival; vLLM semantics).
+    ``policy`` orders admission: "fcfs" (arrival order), "priority" (``SamplingParams.priority``,
+    lower first, ties by arrival; vLLM semantics) or "lpm" (longest prefix-cache hit first, ties by
+    arrival; SGLang's policy, ``scheduler/lpm.py``), under which a request waits behind later arrivals
+    for at most ``lpm_max_wait_steps`` steps.
+    The library defaults are vLLM's (one 2,048-token budget, no chunk cap, FCFS); ``tandem serve``
+    uses ``CPU_SERVE_SCHEDULING`` instead (see there).
     """
 
     max_num_batched_tokens: int = 2048
@@ -94,6 +98,7 @@ class SchedulerConfig:
     max_long_partial_prefills: int = 0
     max_queue_len: int = DEFAULT_MAX_QUEUE_LEN
     policy: str = "fcfs"
+    lpm_max_wait_steps: int = 32
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
@@ -108,6 +113,19 @@ class SchedulerConfig:
             raise ConfigError("max_queue_len must be >= 0")
         if self.policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+        if not is_int(self.lpm_max_wait_steps) or self.lpm_max_wait_steps < 1:
+            raise ConfigError(f"lpm_max_wait_steps must be an integer >= 1, got {self.lpm_max_wait_steps!r}")
+
+
+# NOTE: the CPU serving default (`tandem serve`, `tandem engine`; the library keeps vLLM's). vLLM's CPU API
+# server takes 2,048 tokens per step with no chunk cap; a GPU runs such a step in milliseconds, one CPU core
+# in about 30 s (SmolLM2-135M, Zen 1, under load), and every running request's next token waits for it. So:
+# chunks of at most 256 tokens (an eighth of that step), one prompt with more than that left computing at a
+# time (vLLM V0's --max-long-partial-prefills default, 1), and prefix hits first (lpm): a hit samples within
+# a step or two instead of queueing behind every long prompt's chunks. The budget (2,048) still lets many
+# short prompts start together.
+CPU_SERVE_SCHEDULING = SchedulerConfig(long_prefill_token_threshold=256, max_long_partial_prefills=1,
+                                       policy="lpm")
 
 
 @dataclass(frozen=True)

@@ -65,20 +65,27 @@ class RemotePrefill:
 
     @classmethod
     def parse(cls, params: dict[str, Any]) -> RemotePrefill:
-        """Raises: ValueError (an HTTP 400): a missing or mistyped field."""
+        """Raises: ValueError (an HTTP 400): a missing or mistyped field, a port outside 1-65535."""
         def need(name: str, kind: type) -> Any:
             value = params.get(name)
             if not isinstance(value, kind) or isinstance(value, bool):
-                raise ValueError(f"kv_transfer_params.{name} must be a {kind.__name__} (from the prefill "
-                                 f"leg's response), got {value!r}")
+                noun = {int: "an integer", str: "a string", list: "a list"}[kind]
+                raise ValueError(f"kv_transfer_params.{name} must be {noun} (from the prefill leg's response), "
+                                 f"got {value!r}")
             return value
 
         ids, gens = need("remote_block_ids", list), need("remote_block_generations", list)
         if len(ids) != len(gens) or not all(isinstance(i, int) and i >= 0 for i in ids + gens):
             raise ValueError("kv_transfer_params.remote_block_ids and remote_block_generations must be "
                              "equally long lists of non-negative integers")
+        port = need("remote_port", int)
+        if not 1 <= port <= 65535:  # NOTE: else a connection attempt (and its timeout) before the fallback
+            raise ValueError(f"kv_transfer_params.remote_port must be 1-65535, got {port}")
+        host = need("remote_host", str)
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]  # NOTE: "[::1]" names ::1; the puller adds the brackets of its tcp:// address
         num_tokens = params.get("remote_num_tokens")
-        return cls(need("remote_host", str), need("remote_port", int), str(params.get("remote_engine_id", "")),
+        return cls(host, port, str(params.get("remote_engine_id", "")),
                    need("remote_lease_id", str), ids, gens, num_tokens if isinstance(num_tokens, int) else None,
                    params.get("remote_prompt_digest"))
 

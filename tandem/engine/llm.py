@@ -35,6 +35,7 @@ class LLM:
             core list like "0-3": pin torch's OpenMP threads, one per core (``tandem/worker/cpu_env.py``).
         kernel_backend: "auto", "avx512_bf16", "avx2" or "torch" for this process's kernels; None (default)
             keeps ``$TANDEM_KERNEL_BACKEND`` (``tandem/kernels/registry.py``).
+        scheduling_policy: ``SchedulerConfig.policy`` ("fcfs" default, "priority" or "lpm"; vLLM's name).
         Other keyword arguments map one to one onto ``CacheConfig`` and ``SchedulerConfig``.
 
     Raises:
@@ -54,6 +55,8 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         long_prefill_token_threshold: int = 0,
+        max_long_partial_prefills: int = 0,
+        scheduling_policy: str = "fcfs",
         num_threads: int | None = None,
         chat_template: str | None = None,
         speculative_config: SpeculativeConfig | dict[str, Any] | None = None,
@@ -72,7 +75,9 @@ class LLM:
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs,
-                                      long_prefill_token_threshold=long_prefill_token_threshold),
+                                      long_prefill_token_threshold=long_prefill_token_threshold,
+                                      max_long_partial_prefills=max_long_partial_prefills,
+                                      policy=scheduling_policy),
             num_threads=num_threads,
             speculative=speculative_config,
             cpu_bind=cpu_bind,

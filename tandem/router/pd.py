@@ -8,9 +8,10 @@ One request, as vLLM's disaggregation proxy and vllm-router's PD mode send it:
    saves). NOTE: the count is of all prompt tokens, not of those missing from the decode server's
    prefix cache (this proxy does not follow its cache).
 3. Prefill leg: the client's body with ``"kv_transfer_params": {"do_remote_decode": true, ...}``,
-   ``max_tokens`` (and ``max_completion_tokens``) 1, ``stream`` false, no ``stream_options``. A
-   refusal (4xx) is the client's answer; an unreachable prefill server sends the request to the
-   decode server alone (it prefills itself).
+   ``max_tokens`` (and ``max_completion_tokens``) 1, ``n`` 1, ``stream`` false, no ``stream_options``,
+   ``min_tokens`` or ``best_of``. A refusal (4xx) is the client's answer; an unreachable prefill server,
+   or one answering 5xx (its engine died or restarts), sends the request to the decode server alone (it
+   prefills itself), as do several prompts in one body and prompt logprobs (``decode_only``).
 4. Decode leg: the client's body plus the ``kv_transfer_params`` of the prefill leg's response; its
    answer (an SSE stream or JSON) is relayed to the client as it comes. A client that leaves closes
    the decode leg, so the decode server aborts and frees both sides' blocks.
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 PREFILL_LEG_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                       "remote_block_ids": None, "remote_host": None, "remote_port": None}
 _FORWARD_HEADERS = ("authorization", "x-request-id")
+CONNECT_ATTEMPTS = 2  # per leg: a connect timeout is tried once more (a refused connection is not)
 
 
 @dataclass(frozen=True)
@@ -99,25 +101,41 @@ class PDProxy:
             return APIError(400, "the body must be a JSON object", "invalid_request_error", None, None).response()
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
         decode = self.choose(self.decode)
-        if self.config.min_prompt_tokens and await self._is_short(decode, body, headers):
+        if decode_only(body) or self.config.min_prompt_tokens and await self._is_short(decode, body, headers):
             self.num_direct += 1
             return await self._relay(decode, path, body, headers)
         prefill = self.choose(self.prefill)
         self.outstanding[prefill] += 1
         try:
-            answer = await self.client.post(prefill + path, json=prefill_leg(body), headers=headers)
+            answer = await self._send(self.client.build_request("POST", prefill + path, json=prefill_leg(body),
+                                                                headers=headers), stream=False)
         except httpx.HTTPError as e:
-            logger.warning("prefill server %s unreachable (%s): the decode server prefills itself", prefill, e)
+            logger.warning("prefill server %s unreachable (%s): the decode server prefills itself", prefill, _why(e))
             self.num_prefill_unreachable += 1
             return await self._relay(decode, path, body, headers)
         finally:
             self.outstanding[prefill] -= 1
+        if answer.status_code >= 500:  # NOTE: its engine died or is restarting: the decode engine can prefill
+            logger.warning("prefill server %s answered %d: the decode server prefills itself", prefill,
+                           answer.status_code)
+            self.num_prefill_unreachable += 1
+            return await self._relay(decode, path, body, headers)
         if answer.status_code != 200:
             return Response(answer.content, answer.status_code, media_type="application/json",
                             headers=_retry_after(answer))
         params = answer.json().get("kv_transfer_params")
         self.num_disaggregated += 1
         return await self._relay(decode, path, {**body, "kv_transfer_params": params} if params else body, headers)
+
+    async def _send(self, request: httpx.Request, stream: bool) -> httpx.Response:
+        """Sends ``request``, once more after a connect timeout (nothing was sent: a loop busy with many
+        streams can miss ``connect_timeout_s`` on loopback). Raises: httpx.HTTPError: the last failure."""
+        for _ in range(CONNECT_ATTEMPTS - 1):
+            try:
+                return await self.client.send(request, stream=stream)
+            except httpx.ConnectTimeout:
+                logger.warning("connect timeout to %s: trying again", request.url)
+        return await self.client.send(request, stream=stream)
 
     async def _is_short(self, decode: str, body: dict[str, Any], headers: dict[str, str]) -> bool:
         query = {"messages": body["messages"]} if "messages" in body else {"prompt": body.get("prompt")}
@@ -135,11 +153,11 @@ class PDProxy:
         """Sends the decode leg and relays its answer (streamed as it comes when ``stream`` is set)."""
         self.outstanding[url] += 1
         try:
-            upstream = await self.client.send(self.client.build_request("POST", url + path, json=body,
-                                                                        headers=headers), stream=True)
+            upstream = await self._send(self.client.build_request("POST", url + path, json=body, headers=headers),
+                                        stream=True)
         except httpx.HTTPError as e:
             self.outstanding[url] -= 1
-            return APIError(502, f"the decode server {url} is unreachable: {e}", "service_unavailable", None,
+            return APIError(502, f"the decode server {url} is unreachable: {_why(e)}", "service_unavailable", None,
                             "decode_unreachable", 1.0).response()
         media = upstream.headers.get("content-type", "application/json")
         if not body.get("stream") or upstream.status_code != 200:
@@ -160,13 +178,33 @@ class PDProxy:
             self.outstanding[url] -= 1
 
 
+def decode_only(body: dict[str, Any]) -> bool:
+    """True for a body the decode server must prefill itself: several prompts (one prefill leg holds one
+    prompt's KV), or prompt logprobs (``prompt_logprobs``, ``echo`` with ``logprobs`` or ``max_tokens`` 0:
+    they need every prompt position computed where the answer is made)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and any(isinstance(p, str | list) for p in prompt):
+        return True
+    return body.get("prompt_logprobs") is not None or bool(body.get("echo")) and (
+        body.get("logprobs") is not None or body.get("max_tokens") == 0)
+
+
 def prefill_leg(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill leg's body for a client body (vLLM's proxy protocol; see the module docstring)."""
+    """The prefill leg's body for a client body (vLLM's proxy protocol; see the module docstring): one
+    completion of one token (``n`` / ``best_of`` 1, no ``min_tokens``: the decode leg samples them all)."""
     leg = {**body, "kv_transfer_params": dict(PREFILL_LEG_PARAMS), "stream": False, "max_tokens": 1}
-    leg.pop("stream_options", None)
+    for key in ("stream_options", "min_tokens", "best_of"):
+        leg.pop(key, None)
+    if "n" in leg:
+        leg["n"] = 1
     if "max_completion_tokens" in leg:
         leg["max_completion_tokens"] = 1
     return leg
+
+
+def _why(e: httpx.HTTPError) -> str:
+    """An httpx error for a message: its type, and its text when it has one (a timeout's is empty)."""
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
 def _retry_after(answer: httpx.Response) -> dict[str, str]:

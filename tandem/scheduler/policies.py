@@ -7,6 +7,7 @@ skipped and keeps its place, so it never blocks the requests behind it. No tenso
 - ``FCFSQueue``: arrival order; a preempted request goes back to the front.
 - ``PriorityQueue``: ``(priority, arrival_time)`` ascending, lower ``priority`` first (vLLM's
   ``SchedulingPolicy.PRIORITY``); a preempted request returns at its own place in that order.
+- "lpm" keeps an ``FCFSQueue`` that the scheduler reorders each step by prefix-cache hit (``lpm.py``).
 """
 
 from __future__ import annotations
@@ -97,9 +98,10 @@ class PriorityQueue:
 
 
 def make_waiting_queue(policy: str) -> WaitingQueue:
-    """The queue of ``SchedulerConfig.policy`` ("fcfs" or "priority"). Raises ValueError otherwise."""
-    if policy == "fcfs":
+    """The queue of ``SchedulerConfig.policy``: "fcfs" and "lpm" (which reorders an FCFS queue each step,
+    ``lpm.py``) or "priority". Raises ValueError otherwise."""
+    if policy in ("fcfs", "lpm"):
         return FCFSQueue()
     if policy == "priority":
         return PriorityQueue()
-    raise ValueError(f"unknown scheduling policy {policy!r}; choose 'fcfs' or 'priority'")
+    raise ValueError(f"unknown scheduling policy {policy!r}; choose 'fcfs', 'priority' or 'lpm'")

@@ -67,6 +67,7 @@ class RemoteKVMixin:
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
         self.remote_kv_tokens[request.request_id] = num_remote_tokens
+        request.queued_step = self.num_steps
         self.waiting.add(request)
         return block_ids
 

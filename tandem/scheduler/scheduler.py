@@ -4,7 +4,8 @@ Every request has ``num_computed_tokens`` (KV in the cache) and ``num_tokens`` (
 Each step hands out at most ``max_num_batched_tokens`` tokens so requests catch up: a decode asks for
 1 token, a prompt for a chunk. Running requests go first, in order; when the KV pool runs out the
 newest running request is preempted (its blocks freed, recomputed later). Then waiting requests are
-admitted in the policy's order (``policies.py``: FCFS or priority), reusing prefix-cache hits and
+admitted in the policy's order (``policies.py``: FCFS or priority; ``lpm.py``: longest prefix hit
+first, with a bound on how long a request is overtaken), reusing prefix-cache hits and
 skipping requests that are not ready yet (remote KV on the wire, a grammar compiling) or that the
 ``AdmissionGate`` holds back (``admission.py``: their prefix is being computed by a running request, or
 too many long prompts run already). Chunked
@@ -39,6 +40,7 @@ from tandem.outputs import (
 from tandem.request import Request, RequestStatus
 from tandem.scheduler.admission import AdmissionGate
 from tandem.scheduler.integrity import check_scheduler
+from tandem.scheduler.lpm import lpm_order
 from tandem.scheduler.planning import TokenPlanner, make_row
 from tandem.scheduler.policies import make_waiting_queue
 from tandem.scheduler.remote_kv import RemoteKVMixin
@@ -124,6 +126,7 @@ class Scheduler(RemoteKVMixin):
         """
         self._validate_new(request)
         request.status = RequestStatus.WAITING
+        request.queued_step = self.num_steps
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -242,12 +245,17 @@ class Scheduler(RemoteKVMixin):
         request.spec_token_ids = []  # NOTE: drafts are proposed again once the request has caught up
         request.num_preemptions += 1
         self.num_preemptions_total += 1
+        request.queued_step = self.num_steps
         self.waiting.add_preempted(request)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         gate = AdmissionGate(self.running, self.block_size, self.kv_cache_manager.enable_prefix_caching,
                              self.config.long_prefill_token_threshold, self.config.max_long_partial_prefills)
-        for request in self.waiting:  # a snapshot, in policy order
+        order = self.waiting  # a snapshot, in policy order
+        if self.config.policy == "lpm":
+            order = lpm_order(order, lambda r: self._prefix(r)[2], self.num_steps, self.config.lpm_max_wait_steps,
+                              self.block_size)
+        for request in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
             if not request.is_ready():
@@ -263,15 +271,7 @@ class Scheduler(RemoteKVMixin):
         """Moves a ready waiting request to running with its first chunk; returns its tokens (0: no room,
         None: ``gate`` holds it back this step)."""
         kv = self.kv_cache_manager
-        may_hit = False
-        if request.num_computed_tokens > 0:  # its first tokens' KV came from elsewhere, blocks owned
-            hit_ids, num_hit, start = [], 0, request.num_computed_tokens
-        elif request.sampling_params.prompt_logprobs is not None and not request.output_token_ids:
-            # NOTE: cached blocks have no logits; prompt logprobs need every position computed (vLLM too).
-            hit_ids, num_hit, start = [], 0, 0
-        else:
-            hit_ids, num_hit = kv.get_computed_blocks(request)
-            start, may_hit = num_hit, True
+        hit_ids, num_hit, start, may_hit = self._prefix(request)
         if gate.holds_back(request, start, hit_possible=may_hit):
             return None
         n = self.planner.chunk_size(request, start, budget)
@@ -294,6 +294,17 @@ class Scheduler(RemoteKVMixin):
         gate.admitted(request, start)
         out.scheduled.append(make_row(request, n, block_ids))
         return n
+
+    def _prefix(self, request: Request) -> tuple[list[int], int, int, bool]:
+        """(hit block ids, hit tokens, first token to compute, whether a hit was possible) of a waiting
+        request. Changes nothing but ``request.block_hashes`` (extended)."""
+        if request.num_computed_tokens > 0:  # its first tokens' KV came from elsewhere, blocks owned
+            return [], 0, request.num_computed_tokens, False
+        if request.sampling_params.prompt_logprobs is not None and not request.output_token_ids:
+            # NOTE: cached blocks have no logits; prompt logprobs need every position computed (vLLM too).
+            return [], 0, 0, False
+        hit_ids, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+        return hit_ids, num_hit, num_hit, True
 
     # ---- update -------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tandem.engine.async_llm import AsyncLLM, EngineDeadError, EngineRequestError, RequestStream
 from tandem.engine.processor import PromptError, check_context
 from tandem.outputs import CompletionOutput, PositionLogprobs, PromptLogprobs, RequestOutput
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, SamplingParamsError
 from tandem.server.logprobs import EchoOffsets, completion_logprobs, echo_offsets, prompt_logprobs_json
 from tandem.server.protocol import CompletionRequest
 from tandem.server.protocol_responses import CompletionChoice, CompletionResponse, UsageInfo
@@ -87,6 +87,9 @@ class OpenAIServingCompletion:
         params = request.sampling_params(self.engine.default_sampling_params)
         await check_constraint(params, request.constraint_param)
         given = self._prompt_list(request.prompt)
+        if params.kv_transfer_params and len(given) > 1:  # NOTE: its answer has one kv_transfer_params
+            raise SamplingParamsError(f"kv_transfer_params (disaggregated prefill) takes one prompt per request, "
+                                      f"got {len(given)}", "prompt")
         check_queue_room(self.engine, len(given), params.n)
         request_id = request_id_for("cmpl", request.request_id)
         kind = "delta" if request.stream else "cumulative"

@@ -111,3 +111,31 @@ def test_preemption_keeps_outputs(stories_dir, reference):
     kv = llm.engine.scheduler.kv_cache_manager
     assert kv.usage == 0.0
     kv.check()
+
+
+def test_lpm_reordering_keeps_outputs(stories_dir, llm, reference):
+    # Longest prefix hit first (scheduler/lpm.py) with an 8-token budget: the cached prompt and the two
+    # extending it are admitted before the earlier, uncached ones, and every output is unchanged.
+    tails = [PROMPTS[2] + " a", PROMPTS[2] + " many"]
+    alone = {}
+    for p in tails:
+        llm.engine.scheduler.kv_cache_manager.reset_prefix_cache()
+        alone[p] = llm.generate(p, GREEDY)[0].outputs[0].token_ids
+    lpm = make_llm(stories_dir, block_size=4, max_num_batched_tokens=8, long_prefill_token_threshold=4,
+                   max_long_partial_prefills=1, scheduling_policy="lpm")
+    lpm.generate(PROMPTS[2], GREEDY)  # caches the shared prefix
+    sched, admitted = lpm.engine.scheduler, []
+    schedule = sched.schedule
+
+    def spy():
+        out = schedule()
+        admitted.extend(n.prompt_token_ids for n in out.new_requests)
+        return out
+
+    sched.schedule = spy
+    outs = lpm.generate(PROMPTS + tails, GREEDY)
+    tokenizer = lpm.get_tokenizer()
+    first = sorted(tokenizer.decode(t, skip_special_tokens=True) for t in admitted[:3])
+    assert first == sorted([PROMPTS[2], *tails])
+    assert [o.num_cached_tokens > 0 for o in outs[-2:]] == [True, True]
+    assert [o.outputs[0].token_ids for o in outs] == [reference[p] for p in PROMPTS] + [alone[p] for p in tails]

@@ -107,6 +107,11 @@ def test_role_checks_are_400(pd):
     answer = httpx.post(decode.url + "/v1/completions", timeout=30, json={
         "prompt": PROMPT, "max_tokens": 2, "kv_transfer_params": {"do_remote_prefill": True}})
     assert answer.status_code == 400 and "remote_block_ids" in answer.json()["error"]["message"]
+    answer = httpx.post(prefill.url + "/v1/completions", timeout=30, json={  # NOTE: was a 200 holding both's blocks
+        "prompt": [PROMPT, PROMPT + " twice"], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    assert answer.status_code == 400 and answer.json()["error"] == {
+        "message": "kv_transfer_params (disaggregated prefill) takes one prompt per request, got 2",
+        "type": "invalid_request_error", "param": "prompt", "code": None}
 
 
 def metric(server: Server, name: str) -> float:

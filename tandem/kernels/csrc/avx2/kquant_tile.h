@@ -57,14 +57,20 @@ inline void quantize_token_q8k(const c10::BFloat16* x, int64_t blocks, int8_t* q
   }
 }
 
-inline Q8K quantize_q8k(const at::Tensor& x, int64_t blocks) {
-  const int64_t M = x.size(0);
+// Buffers for M tokens' q8_K activations (filled token by token by quantize_token_q8k).
+inline Q8K empty_q8k(int64_t M, int64_t blocks) {
   Q8K a;
   a.blocks = blocks;
   a.q.resize(M * QK * blocks);
   a.d.resize(M * blocks);
   a.s16.resize(M * blocks * 16);
   a.s32.resize(M * blocks * 8);
+  return a;
+}
+
+inline Q8K quantize_q8k(const at::Tensor& x, int64_t blocks) {
+  const int64_t M = x.size(0);
+  Q8K a = empty_q8k(M, blocks);
   const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
   tandem::avx2::parallel_for(0, M, 4, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m)

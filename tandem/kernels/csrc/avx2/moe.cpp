@@ -2,7 +2,8 @@
 // tandem/kernels/__init__.py (moe_bf16) and tandem/models/moe.py.
 //
 // Every (token, slot) pair is an "assignment" of the token to expert ids[t, j]. Assignments are
-// grouped by expert (a counting sort), then three passes, each one parallel loop of one OpenMP team:
+// grouped by expert (a counting sort), then passes 1 and 2 in one parallel region of the worker team
+// (moe_common.h expert_region; an expert's pass 2 starts once its pass 1 is done), pass 3 after it:
 //   1. for each selected expert and block of intermediate rows: gate and up rows are read once and
 //      dotted with every token routed to that expert; act = bf16(silu(gate) * up);
 //   2. for each selected expert and block of hidden rows: y = act . w2 rows (fp32);
@@ -27,7 +28,6 @@ namespace {
 
 using tandem::avx2::bf16x8_to_ps;
 using tandem::avx2::hsum8;
-using tandem::avx2::parallel_for;
 using tandem::avx2::moe::silu;
 using bf16 = c10::BFloat16;
 
@@ -103,7 +103,6 @@ at::Tensor moe_bf16(at::Tensor x, at::Tensor w13, at::Tensor w2, at::Tensor weig
   const int64_t A = routing.A;
   const std::vector<int64_t>& start = routing.start;
   const std::vector<int64_t>& tok = routing.tok;
-  const std::vector<int64_t>& active = routing.active;
 
   // fp32 copies: tokens (widened once), activations of each sorted assignment, expert outputs.
   auto xf = x.to(at::kFloat).contiguous();
@@ -115,41 +114,38 @@ at::Tensor moe_bf16(at::Tensor x, at::Tensor w13, at::Tensor w2, at::Tensor weig
   const bf16* w13p = reinterpret_cast<const bf16*>(w13.data_ptr<at::BFloat16>());
   const bf16* w2p = reinterpret_cast<const bf16*>(w2.data_ptr<at::BFloat16>());
 
-  // Pass 1: act[s, r] = bf16(silu(x . gate_r) * (x . up_r)) for sorted assignment s (kept in fp32).
-  const int64_t blocks1 = (I + kRowBlock - 1) / kRowBlock;
-  const int64_t n_active = static_cast<int64_t>(active.size());
-  parallel_for(0, n_active * blocks1, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> gate(kRowBlock * A), up(kRowBlock * A);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t e = active[item / blocks1], r0 = (item % blocks1) * kRowBlock;
-      const int64_t r1 = r0 + kRowBlock < I ? r0 + kRowBlock : I, s0 = start[e], count = start[e + 1] - s0;
-      const int64_t* index = tok.data() + s0;
+  // One region (moe_common.h expert_region). Gate/up items: act[s, r] = bf16(silu(x . gate_r) * (x . up_r))
+  // for sorted assignment s and the item's block of intermediate rows r (kept in fp32); down items:
+  // y[s, h] = act[s] . w2[e, h] for the hidden rows h of the item's block, once all of e's act is done.
+  const auto gate_up = [&](int64_t e, int64_t block) {
+    const int64_t r0 = block * kRowBlock, r1 = r0 + kRowBlock < I ? r0 + kRowBlock : I;
+    const int64_t s0 = start[e], count = start[e + 1] - s0;
+    thread_local std::vector<float> gate, up;
+    gate.resize(kRowBlock * count);
+    up.resize(kRowBlock * count);
+    const int64_t* index = tok.data() + s0;
+    for (int64_t r = r0; r < r1; ++r) {
+      const bf16* wg = w13p + (e * 2 * I + r) * H;
+      const bf16* wu = w13p + (e * 2 * I + I + r) * H;
+      dot_group(wg, xp, H, index, count, H, gate.data() + (r - r0), kRowBlock);
+      dot_group(wu, xp, H, index, count, H, up.data() + (r - r0), kRowBlock);
+    }
+    for (int64_t i = 0; i < count; ++i)
       for (int64_t r = r0; r < r1; ++r) {
-        const bf16* wg = w13p + (e * 2 * I + r) * H;
-        const bf16* wu = w13p + (e * 2 * I + I + r) * H;
-        dot_group(wg, xp, H, index, count, H, gate.data() + (r - r0), kRowBlock);
-        dot_group(wu, xp, H, index, count, H, up.data() + (r - r0), kRowBlock);
+        const float g = gate[i * kRowBlock + (r - r0)], u = up[i * kRowBlock + (r - r0)];
+        actp[(s0 + i) * I + r] = static_cast<float>(static_cast<bf16>(silu(g) * u));
       }
-      for (int64_t i = 0; i < count; ++i)
-        for (int64_t r = r0; r < r1; ++r) {
-          const float g = gate[i * kRowBlock + (r - r0)], u = up[i * kRowBlock + (r - r0)];
-          actp[(s0 + i) * I + r] = static_cast<float>(static_cast<bf16>(silu(g) * u));
-        }
-    }
-  });
-
-  // Pass 2: y[s, h] = act[s] . w2[e, h] for the hidden rows h of each block.
-  const int64_t blocks2 = (H + kRowBlock - 1) / kRowBlock;
-  parallel_for(0, n_active * blocks2, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> self;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t e = active[item / blocks2], h0 = (item % blocks2) * kRowBlock;
-      const int64_t h1 = h0 + kRowBlock < H ? h0 + kRowBlock : H, s0 = start[e], count = start[e + 1] - s0;
-      self.resize(count);
-      for (int64_t i = 0; i < count; ++i) self[i] = s0 + i;
-      for (int64_t h = h0; h < h1; ++h) dot_group(w2p + (e * H + h) * I, actp, I, self.data(), count, I, yp + s0 * H + h, H);
-    }
-  });
+  };
+  const auto down = [&](int64_t e, int64_t block) {
+    const int64_t h0 = block * kRowBlock, h1 = h0 + kRowBlock < H ? h0 + kRowBlock : H;
+    const int64_t s0 = start[e], count = start[e + 1] - s0;
+    thread_local std::vector<int64_t> self;
+    self.resize(count);
+    for (int64_t i = 0; i < count; ++i) self[i] = s0 + i;
+    for (int64_t h = h0; h < h1; ++h) dot_group(w2p + (e * H + h) * I, actp, I, self.data(), count, I, yp + s0 * H + h, H);
+  };
+  tandem::avx2::moe::expert_region(routing, (I + kRowBlock - 1) / kRowBlock, (H + kRowBlock - 1) / kRowBlock,
+                                   gate_up, [](int64_t) {}, down);
 
   // Pass 3: out[t] = sum over slots j in top-k order of weights[t, j] * y[slot (t, j)].
   tandem::avx2::moe::combine(routing, yp, wts.data_ptr<float>(), H,

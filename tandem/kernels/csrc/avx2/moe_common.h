@@ -1,5 +1,7 @@
-// Shared steps of the fused MoE kernels (moe.cpp: bf16 experts; moe_quant.cpp: int8 / int4 experts):
-// grouping a step's (token, slot) assignments by expert, and the final weighted sum per token.
+// Shared steps of the fused MoE kernels (moe.cpp: bf16 experts; moe_quant.cpp: int8 / int4 / q8_0 experts;
+// moe_kquant.cpp: Q4_K / Q6_K experts): grouping a step's (token, slot) assignments by expert, the one
+// parallel region that runs every selected expert's gate/up and down rows (expert_region), and the final
+// weighted sum per token.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -7,8 +9,14 @@
 
 #include <immintrin.h>
 
+#include <sched.h>
+
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 #include "parallel.h"
@@ -88,17 +96,65 @@ inline at::Tensor sorted_rows(const at::Tensor& x, const Routing& r) {
   return x.contiguous().index_select(0, index);
 }
 
-// act[s] = bf16(silu(gate) * up) of gu [A, 2I] fp32 (gate columns, then up): [A, I] bf16, one parallel loop.
-inline at::Tensor swiglu_rows(const at::Tensor& gu, int64_t I) {
-  const int64_t A = gu.size(0);
-  auto act = at::empty({A, I}, gu.options().dtype(at::kBFloat16));
-  c10::BFloat16* actp = reinterpret_cast<c10::BFloat16*>(act.data_ptr<at::BFloat16>());
-  const float* gup = gu.data_ptr<float>();
-  tandem::avx2::parallel_for(0, A, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s)
-      for (int64_t i = 0; i < I; ++i) actp[s * I + i] = c10::BFloat16(silu(gup[s * 2 * I + i]) * gup[s * 2 * I + I + i]);
+// act[0:I] = bf16(silu(gate) * up) of one assignment's gu[0:2I] fp32 (gate columns, then up).
+inline void swiglu_row(const float* gu, int64_t I, c10::BFloat16* act) {
+  for (int64_t i = 0; i < I; ++i) act[i] = c10::BFloat16(silu(gu[i]) * gu[I + i]);
+}
+
+// Every selected expert's feed-forward in ONE parallel region of the worker team (parallel.h), not one per
+// projection: the work items are (expert, gate/up row tile) for every active expert, then (expert, down row
+// tile), expert by expert, split over the team in claim order. gate_up(e, tile) writes expert e's gate/up
+// rows of the tile for all its assignments; the item that completes expert e's last gate/up tile runs
+// act(e) (the activation of e's assignments, and whatever quantization down needs); a down item
+// down(e, tile) first waits for expert e's act, not for the whole gate/up phase. Items are claimed in
+// increasing order, so a waited-on expert's gate/up items are all held by running threads: no deadlock,
+// and on one thread (or inline) the order is simply every gate/up item, then every down item.
+// BIT-IDENTICAL FOR ANY THREAD COUNT: each output value is computed by exactly one call whose arithmetic
+// does not depend on which thread runs it or on the items around it.
+template <class GateUp, class Act, class Down>
+void expert_region(const Routing& r, int64_t tiles13, int64_t tiles2, const GateUp& gate_up, const Act& act,
+                   const Down& down) {
+  const int64_t n_active = static_cast<int64_t>(r.active.size()), items13 = n_active * tiles13;
+  if (n_active == 0) return;
+  // NOTE: per active expert, in the order of r.active: gate/up tiles left to finish, then act done.
+  std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[n_active]);
+  std::unique_ptr<std::atomic<bool>[]> ready(new std::atomic<bool>[n_active]);
+  for (int64_t i = 0; i < n_active; ++i) {
+    left[i].store(tiles13, std::memory_order_relaxed);
+    ready[i].store(false, std::memory_order_relaxed);
+  }
+  // NOTE: an exception is kept, not thrown through the team, so that every counter still reaches 0 and no
+  // down item waits forever; the first one is rethrown once the region is over.
+  std::mutex error_mu;
+  std::exception_ptr error;
+  const auto guarded = [&](const auto& fn) {
+    try {
+      fn();
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(error_mu);
+      if (!error) error = std::current_exception();
+    }
+  };
+  tandem::avx2::parallel_for(0, items13 + n_active * tiles2, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      if (item < items13) {
+        const int64_t i = item / tiles13;
+        guarded([&] { gate_up(r.active[i], item % tiles13); });
+        if (left[i].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+          guarded([&] { act(r.active[i]); });
+          ready[i].store(true, std::memory_order_release);
+        }
+        continue;
+      }
+      const int64_t i = (item - items13) / tiles2;
+      for (int spins = 0; !ready[i].load(std::memory_order_acquire); ++spins) {
+        if (spins < 4096) _mm_pause();
+        else sched_yield();  // NOTE: the thread finishing this expert's gate/up may need this core
+      }
+      guarded([&] { down(r.active[i], (item - items13) % tiles2); });
+    }
   });
-  return act;
+  if (error) std::rethrow_exception(error);
 }
 
 // out[t] = bf16(sum over slots j in top-k order of weights[t, j] * y[sorted position of (t, j)]),

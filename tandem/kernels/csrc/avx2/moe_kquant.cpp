@@ -2,12 +2,13 @@
 // tandem/kernels/__init__.py (moe_kquant) and tandem/models/moe_quant.py. llama.cpp's Q4_K_M files store
 // ffn_{gate,up}_exps as Q4_K and ffn_down_exps as Q4_K or Q6_K, so w13 and w2 each take either format.
 //
-// moe_quant.cpp's plan with linear_kquant.cpp's arithmetic (kquant_tile.h): assignments grouped by expert
-// (moe_common.h), then
+// moe_quant.cpp's plan (one parallel region, moe_common.h expert_region) with linear_kquant.cpp's arithmetic
+// (kquant_tile.h): assignments grouped by expert (moe_common.h), then
 //   1. the routed tokens' rows in sorted order, quantized per block of 256 (llama.cpp's q8_K); for each
 //      selected expert and tile of 4 gate/up rows, the tile's blocks are read once for all the expert's
 //      assignments (2 x 2 tiles for pairs of them, 1 x 4 for a single one): gu[s] fp32;
-//   2. act[s] = bf16(silu(gate) * up), quantized the same way; y[s] = act[s] . w2 rows (fp32);
+//   2. once an expert's gate/up tiles are done: act[s] = bf16(silu(gate) * up), quantized the same way;
+//      y[s] = act[s] . w2 rows (fp32);
 //   3. out[t] = bf16(sum_j weights[t, j] * y[t, j]), j in top-k order.
 // Experts no token selected are never read. BATCH INVARIANCE: a (assignment, row) value is one tile
 // computation whose bits do not depend on the tile's shape (kquant_tile.h), and a token's activations are
@@ -17,6 +18,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "kquant_tile.h"
 #include "moe_common.h"
@@ -82,22 +84,12 @@ void item(const Weights& w, const Q8K& a, int64_t first, int64_t last, int64_t r
   }
 }
 
-// out[s, 0:N] for every sorted assignment s of every active expert.
-template <Fmt F>
-void expert_pass(const Experts& ex, const Routing& r, const Q8K& a, float* out) {
-  const int64_t tiles = (ex.N + kRB - 1) / kRB, n_active = static_cast<int64_t>(r.active.size());
-  const RowsOut o{out, ex.N, nullptr};
-  tandem::avx2::parallel_for(0, n_active * tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t e = r.active[i / tiles];
-      item<F>(ex.of(e), a, r.start[e], r.start[e + 1], (i % tiles) * kRB, ex.N, ex.block_bytes(), o);
-    }
-  });
-}
-
-void pass(const Experts& ex, const Routing& r, const Q8K& a, float* out) {
-  if (ex.fmt == Fmt::kQ4_K) expert_pass<Fmt::kQ4_K>(ex, r, a, out);
-  else expert_pass<Fmt::kQ6_K>(ex, r, a, out);
+// Expert e's assignments x its rows [tile * kRB, tile * kRB + kRB) of the stack ex.
+void rows(const Experts& ex, const Routing& r, const Q8K& a, int64_t e, int64_t tile, const RowsOut& o) {
+  if (ex.fmt == Fmt::kQ4_K)
+    item<Fmt::kQ4_K>(ex.of(e), a, r.start[e], r.start[e + 1], tile * kRB, ex.N, ex.block_bytes(), o);
+  else
+    item<Fmt::kQ6_K>(ex.of(e), a, r.start[e], r.start[e + 1], tile * kRB, ex.N, ex.block_bytes(), o);
 }
 
 }  // namespace
@@ -115,15 +107,24 @@ at::Tensor moe_kquant(at::Tensor x, at::Tensor w13_q, at::Tensor w13_s, at::Tens
   if (T == 0) return out;
   const auto wts = weights.contiguous();
   const Routing r = tandem::avx2::moe::group_by_expert(ids.contiguous(), w13_q.size(0), op);
-  const auto fp32 = x.options().dtype(at::kFloat);
 
   const Q8K xa = quantize_q8k(tandem::avx2::moe::sorted_rows(x, r), w13.blocks);
-  auto gu = at::empty({r.A, 2 * I}, fp32);
-  pass(w13, r, xa, gu.data_ptr<float>());
-  const Q8K aa = quantize_q8k(tandem::avx2::moe::swiglu_rows(gu, I), w2.blocks);
-  auto y = at::empty({r.A, H}, fp32);
-  pass(w2, r, aa, y.data_ptr<float>());
-  tandem::avx2::moe::combine(r, y.data_ptr<float>(), wts.data_ptr<float>(), H,
+  Q8K aa = empty_q8k(r.A, w2.blocks);
+  std::vector<float> gu(r.A * 2 * I), y(r.A * H);
+  std::vector<c10::BFloat16> act(r.A * I);
+  const RowsOut gu_out{gu.data(), w13.N, nullptr}, y_out{y.data(), w2.N, nullptr};
+  const auto activate = [&](int64_t e) {
+    for (int64_t s = r.start[e]; s < r.start[e + 1]; ++s) {
+      tandem::avx2::moe::swiglu_row(&gu[s * 2 * I], I, &act[s * I]);
+      quantize_token_q8k(&act[s * I], w2.blocks, &aa.q[s * QK * w2.blocks], &aa.d[s * w2.blocks],
+                         &aa.s16[s * w2.blocks * 16], &aa.s32[s * w2.blocks * 8]);
+    }
+  };
+  tandem::avx2::moe::expert_region(
+      r, (w13.N + kRB - 1) / kRB, (w2.N + kRB - 1) / kRB,
+      [&](int64_t e, int64_t tile) { rows(w13, r, xa, e, tile, gu_out); }, activate,
+      [&](int64_t e, int64_t tile) { rows(w2, r, aa, e, tile, y_out); });
+  tandem::avx2::moe::combine(r, y.data(), wts.data_ptr<float>(), H,
                              reinterpret_cast<c10::BFloat16*>(out.data_ptr<at::BFloat16>()));
   return out;
 }

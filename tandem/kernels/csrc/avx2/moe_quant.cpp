@@ -2,15 +2,15 @@
 // semantics in tandem/kernels/__init__.py (moe_int8, moe_int4, moe_q8_0) and tandem/models/moe_quant.py.
 // int4 is llama.cpp's Q4_0 and q8_0 its Q8_0 (group-32 int8, fp16 scales), so a GGUF's experts run as stored.
 //
-// The bf16 kernel's plan (moe.cpp) with the quantized linears' arithmetic (linear_quant.cpp, quant_tile.h):
-// assignments grouped by expert (moe_common.h), then
+// The quantized linears' arithmetic (linear_quant.cpp, quant_tile.h) on assignments grouped by expert
+// (moe_common.h), all in one parallel region (moe_common.h expert_region):
 //   1. the routed tokens' rows in sorted order, quantized to int8 per block of 32 (llama.cpp's q8_0
 //      activations); for each selected expert and tile of 4 gate/up rows, the tile's codes are read once
 //      for all the expert's assignments: gu[s] fp32 (int8: times the row's scale);
-//   2. act[s] = bf16(silu(gate) * up), quantized the same way; for each selected expert and tile of 4
-//      hidden rows: y[s] = act[s] . w2 rows (fp32);
-//   3. out[t] = bf16(sum_j weights[t, j] * y[t, j]), j in top-k order.
-// Each of the five steps is one parallel loop of one OpenMP team; experts no token selected are never read.
+//   2. once an expert's gate/up tiles are done: act[s] = bf16(silu(gate) * up), quantized the same way;
+//      then for each of its tiles of 4 hidden rows: y[s] = act[s] . w2 rows (fp32);
+//   3. out[t] = bf16(sum_j weights[t, j] * y[t, j]), j in top-k order (after the region).
+// Experts no token selected are never read.
 // BATCH INVARIANCE: a (assignment, row) value is one quant_tile.h tile computation, whose bits do not depend
 // on the tile it falls in, and a token's activations are quantized alone, so a token's output does not
 // depend on the rest of the batch or the grouping.
@@ -77,18 +77,17 @@ Experts experts(const at::Tensor& q, const at::Tensor& s, Kind kind, const char*
   return {kind, q.data_ptr<uint8_t>(), s.data_ptr<at::Half>(), N, K};
 }
 
-// out[s, 0:N] for every sorted assignment s of every active expert: rows (s) of `a` times expert rows.
-template <Kind F>
-void expert_pass(const Experts& ex, const Routing& r, const QuantizedActivations& a, float* out) {
-  const PairCodes xp = F == Kind::kQ4_0 ? pair_codes(a, r.A) : PairCodes{};
-  const int64_t tiles = (ex.N + kRB - 1) / kRB, n_active = static_cast<int64_t>(r.active.size());
-  tandem::avx2::parallel_for(0, n_active * tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t e = r.active[item / tiles], row0 = (item % tiles) * kRB;
-      const RowsOut o{out, ex.N, ex.row_scale(e)};
-      tile_rows<F, kMB, kRB>(ex.of(e), a, xp, r.start[e], r.start[e + 1], row0, ex.N, o);
-    }
-  });
+// Activation buffers for M rows of K values in blocks of 32, zero (filled row by row by quantize_token).
+QuantizedActivations empty_activations(int64_t M, int64_t blocks) {
+  QuantizedActivations a;
+  a.blocks = blocks;
+  a.ldq = 32 * blocks;
+  a.ldb = tandem::avx2::round_up(blocks, 8);
+  a.q.assign(M * a.ldq, 0);
+  a.d.assign(M * a.ldb, 0.0f);
+  a.s.assign(M * a.ldb, 0);
+  a.ds.assign(M * a.ldb, 0.0f);
+  return a;
 }
 
 template <Kind F>
@@ -101,23 +100,40 @@ at::Tensor run(at::Tensor x, const Experts& w13, const Experts& w2, int64_t E, a
   if (T == 0) return out;
   const auto wts = weights.contiguous();
   const Routing r = tandem::avx2::moe::group_by_expert(ids.contiguous(), E, op);
-  const auto fp32 = x.options().dtype(at::kFloat);
+  constexpr bool kPairs = F == Kind::kQ4_0;
 
-  // Pass 1: the tokens of the sorted assignments, quantized per block; gu = their gate and up rows.
+  // The tokens of the sorted assignments, quantized per block; the buffers the experts fill.
   const QuantizedActivations xa =
       tandem::avx2::quantize_activations(tandem::avx2::moe::sorted_rows(x, r), w13.of(0).blocks);
-  auto gu = at::empty({r.A, 2 * I}, fp32);
-  float* gup = gu.data_ptr<float>();
-  expert_pass<F>(w13, r, xa, gup);
+  const PairCodes xp = kPairs ? pair_codes(xa, r.A) : PairCodes{};
+  QuantizedActivations aa = empty_activations(r.A, w2.of(0).blocks);
+  PairCodes ap;
+  if (kPairs) {
+    ap.ld = 64 * (aa.blocks / 2);
+    ap.q.resize(r.A * ap.ld);
+  }
+  std::vector<float> gu(r.A * 2 * I), y(r.A * H);
+  std::vector<c10::BFloat16> act(r.A * I);
 
-  // act = bf16(silu(gate) * up), then quantized per block for pass 2.
-  const QuantizedActivations aa =
-      tandem::avx2::quantize_activations(tandem::avx2::moe::swiglu_rows(gu, I), w2.of(0).blocks);
-
-  // Pass 2: y = act . w2 rows; pass 3: the weighted sum per token.
-  auto y = at::empty({r.A, H}, fp32);
-  expert_pass<F>(w2, r, aa, y.data_ptr<float>());
-  tandem::avx2::moe::combine(r, y.data_ptr<float>(), wts.data_ptr<float>(), H,
+  // One region: gu = gate/up rows; act = bf16(silu(gate) * up) quantized per block; y = act . down rows.
+  const auto gate_up = [&](int64_t e, int64_t tile) {
+    const RowsOut o{gu.data(), w13.N, w13.row_scale(e)};
+    tile_rows<F, kMB, kRB>(w13.of(e), xa, xp, r.start[e], r.start[e + 1], tile * kRB, w13.N, o);
+  };
+  const auto activate = [&](int64_t e) {
+    for (int64_t s = r.start[e]; s < r.start[e + 1]; ++s) {
+      tandem::avx2::moe::swiglu_row(&gu[s * 2 * I], I, &act[s * I]);
+      tandem::avx2::quantize_token(&act[s * I], I, aa.blocks, &aa.q[s * aa.ldq], &aa.d[s * aa.ldb],
+                                   &aa.s[s * aa.ldb], &aa.ds[s * aa.ldb]);
+      if (kPairs) pair_codes_row(aa, s, &ap.q[s * ap.ld]);
+    }
+  };
+  const auto down = [&](int64_t e, int64_t tile) {
+    const RowsOut o{y.data(), w2.N, w2.row_scale(e)};
+    tile_rows<F, kMB, kRB>(w2.of(e), aa, ap, r.start[e], r.start[e + 1], tile * kRB, w2.N, o);
+  };
+  tandem::avx2::moe::expert_region(r, (w13.N + kRB - 1) / kRB, (w2.N + kRB - 1) / kRB, gate_up, activate, down);
+  tandem::avx2::moe::combine(r, y.data(), wts.data_ptr<float>(), H,
                              reinterpret_cast<c10::BFloat16*>(out.data_ptr<at::BFloat16>()));
   return out;
 }

@@ -23,20 +23,23 @@ struct PairCodes {
   int64_t ld = 0;
 };
 
+// Token m's row of PairCodes (64 * (a.blocks / 2) bytes at dst).
+inline void pair_codes_row(const QuantizedActivations& a, int64_t m, int8_t* dst) {
+  for (int64_t i = 0; i < a.blocks / 2; ++i) {
+    const int8_t* x = &a.q[m * a.ldq + 64 * i];
+    int8_t* d = dst + 64 * i;
+    std::memcpy(d, x, 16);
+    std::memcpy(d + 16, x + 32, 16);
+    std::memcpy(d + 32, x + 16, 16);
+    std::memcpy(d + 48, x + 48, 16);
+  }
+}
+
 inline PairCodes pair_codes(const QuantizedActivations& a, int64_t M) {
   PairCodes p;
-  const int64_t pairs = a.blocks / 2;
-  p.ld = 64 * pairs;
+  p.ld = 64 * (a.blocks / 2);
   p.q.resize(M * p.ld);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t i = 0; i < pairs; ++i) {
-      const int8_t* x = &a.q[m * a.ldq + 64 * i];
-      int8_t* d = &p.q[m * p.ld + 64 * i];
-      std::memcpy(d, x, 16);
-      std::memcpy(d + 16, x + 32, 16);
-      std::memcpy(d + 32, x + 16, 16);
-      std::memcpy(d + 48, x + 48, 16);
-    }
+  for (int64_t m = 0; m < M; ++m) pair_codes_row(a, m, &p.q[m * p.ld]);
   return p;
 }
 
