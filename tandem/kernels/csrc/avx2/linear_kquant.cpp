@@ -96,27 +96,32 @@ Q5Activations q5_0_activations(const at::Tensor& x, int64_t blocks) {
 }
 
 // The unsigned codes of blocks b and b + 1 of a row (p: block b's qh) in pair order: *lo = weights 0-15 of b (lanes
-// 0-15) and of b + 1 (16-31), *hi = weights 16-31 of each. The 5th bits by one in-lane shuffle per half: byte j of
-// a lane takes the qh byte holding its bit, tested against that bit (bytes_from_bits_32 of ggml, two blocks at once).
+// 0-15) and of b + 1 (16-31), *hi = weights 16-31 of each. The 5th bits (ggml's bytes_from_bits_32, two blocks at
+// once, one op fewer per half): each 128-bit lane holds a block's qh (bytes 0-3) and qh << 4 (bytes 4-7), so every
+// weight's bit sits in the high nibble of one of those bytes (bit 4 + j % 4 of (qh << 4) byte j / 8 for j % 8 < 4,
+// bit j % 8 of qh byte j / 8 otherwise); one in-lane shuffle brings that byte to byte j, an AND keeps the bit, and
+// min(., 16) makes it 16 or 0.
 inline void q5_0_pair_codes(const uint8_t* p, __m256i* lo, __m256i* hi) {
   uint32_t qh0, qh1;
   std::memcpy(&qh0, p, 4);
   std::memcpy(&qh1, p + 20, 4);
+  const auto both = [](uint32_t qh) {
+    return _mm_cvtsi64_si128(static_cast<long long>(qh | static_cast<uint64_t>(qh << 4) << 32));
+  };
   const __m256i raw = _mm256_inserti128_si256(
       _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4))),
       _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 24)), 1);
-  const __m256i qh = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_cvtsi32_si128(static_cast<int>(qh0))),
-                                             _mm_cvtsi32_si128(static_cast<int>(qh1)), 1);
+  const __m256i qh = _mm256_inserti128_si256(_mm256_castsi128_si256(both(qh0)), both(qh1), 1);
   const __m256i m4 = _mm256_set1_epi8(0x0F), b5 = _mm256_set1_epi8(0x10);
-  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
-  const __m256i pick_lo = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                           0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  const __m256i pick_hi = _mm256_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
-                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m256i set_lo = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(qh, pick_lo), bit), bit);
-  const __m256i set_hi = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(qh, pick_hi), bit), bit);
-  *lo = _mm256_or_si256(_mm256_and_si256(raw, m4), _mm256_and_si256(set_lo, b5));
-  *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), _mm256_and_si256(set_hi, b5));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201080402010ull));
+  const __m256i pick_lo = _mm256_setr_epi8(4, 4, 4, 4, 0, 0, 0, 0, 5, 5, 5, 5, 1, 1, 1, 1,
+                                           4, 4, 4, 4, 0, 0, 0, 0, 5, 5, 5, 5, 1, 1, 1, 1);
+  const __m256i pick_hi = _mm256_setr_epi8(6, 6, 6, 6, 2, 2, 2, 2, 7, 7, 7, 7, 3, 3, 3, 3,
+                                           6, 6, 6, 6, 2, 2, 2, 2, 7, 7, 7, 7, 3, 3, 3, 3);
+  const __m256i h_lo = _mm256_min_epu8(_mm256_and_si256(_mm256_shuffle_epi8(qh, pick_lo), bit), b5);
+  const __m256i h_hi = _mm256_min_epu8(_mm256_and_si256(_mm256_shuffle_epi8(qh, pick_hi), bit), b5);
+  *lo = _mm256_or_si256(_mm256_and_si256(raw, m4), h_lo);
+  *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), m4), h_hi);
 }
 
 // Tokens [m0, m0 + MB) x rows [row0, row0 + RB). Blocks go by pairs (quant_tile.h's pair_dot for the Q4 formats):
