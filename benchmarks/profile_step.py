@@ -2,7 +2,7 @@
 
 Usage:
     python benchmarks/profile_step.py [--shape qwen2.5-0.5b] [--batch 1] [--steps 8] [--threads 2]
-    python benchmarks/profile_step.py --gguf FILE.gguf [--batch 1]   (e.g. moe_gguf.py's MoE files)
+    python benchmarks/profile_step.py --gguf FILE.gguf [--batch 1] [--compare-threads 1]   (e.g. moe_gguf.py's files)
 
 Builds the checkpoint (``checkpoints.make_checkpoint``; reused with ``--work-dir``), starts
 ``--batch`` greedy sequences, runs a few decode steps, then profiles ``--steps`` decode steps and
@@ -63,6 +63,27 @@ def _category(op: str) -> str:
     return "other ops"
 
 
+def _seconds_per_step(engine, steps: int) -> float:  # noqa: ANN001
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return (time.perf_counter() - t0) / steps
+
+
+def _compare_threads(engine, steps: int, threads: int, other: int) -> None:  # noqa: ANN001
+    """Prints ms per step on ``threads`` and ``other`` threads, two alternating rounds, then restores ``threads``."""
+    import os
+
+    import torch
+
+    for rnd in range(2):
+        for n in (threads, other):
+            torch.set_num_threads(n)
+            ms = 1e3 * _seconds_per_step(engine, steps)
+            print(f"round {rnd + 1}, {n} thread(s): {ms:.1f} ms per step (load average {os.getloadavg()[0]:.1f})")
+    torch.set_num_threads(threads)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="qwen2.5-0.5b", choices=list(SHAPES))
@@ -72,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quantization", default=None)
     p.add_argument("--work-dir")
     p.add_argument("--gguf", help="profile this GGUF file instead of a random --shape checkpoint")
+    p.add_argument("--compare-threads", type=int,
+                   help="also time --steps steps on this many threads, alternating twice with --threads")
     p.add_argument("--unfused", action="store_true",
                    help="run each layer's kernels from Python (per-kernel breakdown) instead of one C++ call")
     args = p.parse_args(argv)
@@ -81,28 +104,28 @@ def main(argv: list[str] | None = None) -> None:
         LlamaModel.fused_step = lambda self, x: False
     from tandem.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from tandem.engine.core import EngineCore
+    from tandem.models.resolve import resolve_model_path
     from tandem.request import Request
     from tandem.sampling_params import SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work_dir or tmp) / args.shape / "hf"
-        hf_dir = Path(args.gguf) if args.gguf else make_checkpoint(args.shape, work)
+        hf_dir = resolve_model_path(args.gguf) if args.gguf else make_checkpoint(args.shape, work)
         model_kwargs = {"quantization": args.quantization} if args.quantization else {}
         config = EngineConfig(model=ModelConfig(model=str(hf_dir), max_model_len=1024, **model_kwargs),
                               cache=CacheConfig(kv_cache_gib=0.25),
                               scheduler=SchedulerConfig(max_num_seqs=args.batch), num_threads=args.threads)
         engine = EngineCore(hf_dir, config, progress=False)
-        total = 3 * args.steps + 10
+        total = 7 * args.steps + 10
         params = SamplingParams(max_tokens=total, ignore_eos=True, temperature=0.0)
         for i in range(args.batch):
             engine.add_request(Request(request_id=str(i), prompt_token_ids=list(range(1000 + i, 1032 + i)),
                                        sampling_params=params, max_tokens=total))
         for _ in range(5):
             engine.step()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            engine.step()
-        wall = (time.perf_counter() - t0) / args.steps
+        wall = _seconds_per_step(engine, args.steps)
+        if args.compare_threads:
+            _compare_threads(engine, args.steps, args.threads, args.compare_threads)
         _wrap_kernels()
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(args.steps):

@@ -5,17 +5,17 @@ Usage:
         [--num-system-prompts 8] [--questions 4] [--question-tokens 16] [--output-len 16]
         [--concurrency 4,8,16] [--policies round-robin,least-load,kv-aware] [--kv-events]
         [--workloads shared,random] [--single-on shared,random]
-        [--long-prefill-token-threshold 128] [--max-long-partial-prefills 1] [--scheduling-policy lpm]
+        [--long-prefill-token-threshold 256] [--max-long-partial-prefills 1] [--scheduling-policy lpm]
         [--work-dir DIR] [--json FILE]
 
 Starts three ``tandem serve`` processes of ``--model`` (default: the default model): engines A and B
 with one thread each, pinned to cores 0 and 1, and engine S with two threads on cores 0-1; and one
-``tandem router`` per policy over A and B. All three engines get the same scheduler settings:
-prefill chunks of at most ``--long-prefill-token-threshold`` tokens and ``--max-long-partial-prefills``
-long prompts at once (defaults 128 and 1), so a prefix hit samples within a step or two instead of
-waiting behind every 1,000-token prompt's chunks (``0 0``: no cap, no limit; one step then takes up to
-2,048 tokens, about 30 s on one core of this model), and admission order ``--scheduling-policy``
-(default lpm, ``tandem serve``'s: longest prefix-cache hit first). S is measured directly (no router).
+``tandem router`` per policy over A and B. All three engines get the same scheduler settings, by default
+``tandem serve``'s CPU defaults (``CPU_SERVE_SCHEDULING``): prefill chunks of at most
+``--long-prefill-token-threshold`` tokens (256), ``--max-long-partial-prefills`` long prompts at once (1),
+so a prefix hit samples within a step or two instead of waiting behind every 1,000-token prompt's chunks,
+and ``--scheduling-policy`` lpm (longest prefix-cache hit first); ``0 0 fcfs`` gives vLLM's (one step
+then takes up to 2,048 tokens, about 30 s on one core of this model). S is measured directly (no router).
 Everything is stopped at the end (process groups, SIGTERM then SIGKILL).
 
 Workloads (each run draws fresh random prompts, so no run finds another's blocks in a cache):
@@ -53,6 +53,7 @@ import httpx
 from tandem.bench.client import BenchConfig, run_benchmark
 from tandem.bench.datasets import SampleRequest, load_tokenizer, random_requests
 from tandem.bench.metrics import calculate_metrics
+from tandem.config import CPU_SERVE_SCHEDULING
 
 REPO = Path(__file__).resolve().parents[1]
 SERVED = "bench"
@@ -199,12 +200,13 @@ def main() -> int:
     p.add_argument("--single-on", default=None,
                    help="the workloads engine S runs too (default: all; the goals use S on shared only)")
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
-    p.add_argument("--long-prefill-token-threshold", type=int, default=128,
+    cpu = CPU_SERVE_SCHEDULING
+    p.add_argument("--long-prefill-token-threshold", type=int, default=cpu.long_prefill_token_threshold,
                    help="every engine's prefill chunk cap (tokens; 0 = the step budget)")
-    p.add_argument("--max-long-partial-prefills", type=int, default=1,
+    p.add_argument("--max-long-partial-prefills", type=int, default=cpu.max_long_partial_prefills,
                    help="every engine's limit on prompts with more than the threshold left computing at once "
                         "(0 = none): prefix hits then overtake long prompts")
-    p.add_argument("--scheduling-policy", default="lpm", choices=["fcfs", "lpm"],
+    p.add_argument("--scheduling-policy", default=cpu.policy, choices=["fcfs", "lpm"],
                    help="every engine's admission order (lpm: longest prefix-cache hit first)")
     p.add_argument("--kv-events", action="store_true",
                    help="engines A and B publish KV events (kv-aware then routes on them; default: the "

@@ -66,14 +66,19 @@ class KVTransferConfig:
             raise ConfigError(f"kv_data_port must be 0 (any free port) or 1-65535, got {self.kv_data_port!r}")
         for name in ("lease_ttl_s", "transfer_timeout_s"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
+        for name in ("kv_ip", "engine_id", "secret", "secret_file"):
+            value = getattr(self, name)
+            if not isinstance(value, str) and (value is not None or name == "kv_ip"):
+                raise ConfigError(f"{name} must be a string, got {value!r}")
         if self.kv_buffer_device != "cpu":
             raise ConfigError(f"kv_buffer_device must be 'cpu' (Tandem runs on CPUs), got {self.kv_buffer_device!r}")
         if not self.kv_ip:
             raise ConfigError("kv_ip must not be empty")
         self._check_prefill_hosts()
-        if self.is_producer and not is_loopback_host(self.kv_ip) and self.shared_secret() is None:
+        secret = self.shared_secret()  # NOTE: an empty or unreadable secret fails here, not after the model loaded
+        if self.is_producer and not is_loopback_host(self.kv_ip) and secret is None:
             raise ConfigError(
                 f"refusing to serve KV blocks on {self.kv_ip}:{self.kv_port} without a shared secret: the KV "
                 f"cache holds what users wrote; set \"secret_file\" (or ${KV_SECRET_ENV}), or use kv_ip 127.0.0.1")

@@ -65,20 +65,27 @@ class RemotePrefill:
 
     @classmethod
     def parse(cls, params: dict[str, Any]) -> RemotePrefill:
-        """Raises: ValueError (an HTTP 400): a missing or mistyped field."""
+        """Raises: ValueError (an HTTP 400): a missing or mistyped field, a port outside 1-65535."""
         def need(name: str, kind: type) -> Any:
             value = params.get(name)
             if not isinstance(value, kind) or isinstance(value, bool):
-                raise ValueError(f"kv_transfer_params.{name} must be a {kind.__name__} (from the prefill "
-                                 f"leg's response), got {value!r}")
+                noun = {int: "an integer", str: "a string", list: "a list"}[kind]
+                raise ValueError(f"kv_transfer_params.{name} must be {noun} (from the prefill leg's response), "
+                                 f"got {value!r}")
             return value
 
         ids, gens = need("remote_block_ids", list), need("remote_block_generations", list)
         if len(ids) != len(gens) or not all(isinstance(i, int) and i >= 0 for i in ids + gens):
             raise ValueError("kv_transfer_params.remote_block_ids and remote_block_generations must be "
                              "equally long lists of non-negative integers")
+        port = need("remote_port", int)
+        if not 1 <= port <= 65535:  # NOTE: else a connection attempt (and its timeout) before the fallback
+            raise ValueError(f"kv_transfer_params.remote_port must be 1-65535, got {port}")
+        host = need("remote_host", str)
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]  # NOTE: "[::1]" names ::1; the puller adds the brackets of its tcp:// address
         num_tokens = params.get("remote_num_tokens")
-        return cls(need("remote_host", str), need("remote_port", int), str(params.get("remote_engine_id", "")),
+        return cls(host, port, str(params.get("remote_engine_id", "")),
                    need("remote_lease_id", str), ids, gens, num_tokens if isinstance(num_tokens, int) else None,
                    params.get("remote_prompt_digest"))
 
@@ -123,6 +130,7 @@ class TandemConnector:
         self._pending: dict[str, _Pending] = {}  # decode legs waiting for free blocks
         self._pulling: dict[str, RemotePrefill] = {}  # decode legs whose pull is queued or running
         self._outcomes: dict[str, dict[str, Any]] = {}  # decode leg id -> its kv_transfer_params
+        self._announced: set[str] = set()  # decode legs whose first output carried them
         self.failed: list[tuple[str, str]] = []  # (request id, why) ended by the "fail" policy
         self.counters = dict.fromkeys(_COUNTERS, 0.0)
 
@@ -290,18 +298,26 @@ class TandemConnector:
             pending = self._pending.pop(rid, None)
             if pending is not None:
                 self.puller.release(pending.remote.host, pending.remote.port, [pending.remote.lease_id])
+            self._announced.discard(rid)
             if rid not in self._pulling:
                 self._outcomes.pop(rid, None)
 
     def on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
-        """Puts ``kv_transfer_params`` on the last output of prefill and decode legs. Changes: the outputs."""
+        """Puts ``kv_transfer_params`` on a decode leg's first and last outputs (how its prompt KV came: a
+        stop string may end it in the front end before its last output) and on a prefill leg's last one
+        (its held blocks). Changes: the outputs, ``_announced``."""
         for out in outputs:
+            rid = out.request_id
             if out.finish_reason is None:
+                if rid in self._outcomes and rid not in self._announced:  # NOTE: final (no output while pulling)
+                    out.kv_transfer_params = self._outcomes[rid]
+                    self._announced.add(rid)
                 continue
-            lease = self._leases.pop(out.request_id, None)
-            outcome = self._outcomes.pop(out.request_id, None)
+            self._announced.discard(rid)
+            outcome = self._outcomes.pop(rid, None)
             if outcome is not None:
                 out.kv_transfer_params = outcome
+            lease = self._leases.pop(out.request_id, None)
             if lease is not None and lease[0] in self.scheduler.kv_cache_manager.leases:
                 out.kv_transfer_params = self._prefill_params(out, *lease)
 

@@ -5,7 +5,10 @@ share it). Each half runs an ordinary ``tandem serve`` child with the caller's f
 ``--port`` (free, loopback), ``--cpu-bind`` / ``--num-threads`` for its cores and a
 ``--kv-transfer-config`` (``kv_producer`` / ``kv_consumer`` on a free loopback ``kv_port``, a fresh
 random secret in the environment); this process then serves the P/D proxy (``router/pd.py``) on the
-caller's ``--host``/``--port``. A child that exits ends the whole set-up with its code.
+caller's ``--host``/``--port``. A child that exits during start-up ends the whole set-up with its code;
+one that exits later is started again with the same command (``Child.restart``, at most
+``MAX_RESTARTS`` times each; meanwhile the proxy lets the decode server prefill, or answers 502
+``decode_unreachable``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from types import FrameType
 
 import httpx
@@ -25,6 +30,39 @@ import httpx
 from tandem.config import KV_SECRET_ENV
 
 HEALTH_TIMEOUT_S = 600.0  # a loaded machine may take minutes to import and load two servers
+
+
+MAX_RESTARTS = 5  # per child; a child that keeps dying (its port taken, its model gone) is left dead
+
+
+@dataclass
+class Child:
+    """One side: its URL, ``tandem serve`` command and environment, its process, its restarts so far."""
+
+    url: str
+    argv: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen
+    restarts: int = 0
+
+    def restart(self) -> int | None:
+        """Starts the command again if the process exited (and ``MAX_RESTARTS`` allows): returns the exit
+        code it had, or None (still running, or left dead). Changes: ``proc``, ``restarts``."""
+        code = self.proc.poll()
+        if code is None or self.restarts >= MAX_RESTARTS:
+            return None
+        self.restarts += 1
+        print(f"tandem: error: the server for {self.url} exited with {code}; starting it again "
+              f"({self.restarts} of {MAX_RESTARTS})", file=sys.stderr, flush=True)
+        self.proc = subprocess.Popen(self.argv, env=self.env)
+        return code
+
+
+def keep_alive(children: list[Child], stop: threading.Event, poll_s: float = 1.0) -> None:
+    """Restarts children that exit, every ``poll_s`` seconds, until ``stop`` is set (a thread's target)."""
+    while not stop.wait(poll_s):
+        for child in children:
+            child.restart()
 
 
 def free_port() -> int:
@@ -77,17 +115,21 @@ def serve_disaggregated(argv: list[str], host: str, port: int, min_prompt_tokens
     sides = []
     for role, cpus in (("kv_producer", prefill_cpus), ("kv_consumer", decode_cpus)):
         child_port = free_port()
-        proc = subprocess.Popen(child_argv(argv, child_port, cpus, role, free_port()), env=env)
-        sides.append((f"http://127.0.0.1:{child_port}", proc))
+        command = child_argv(argv, child_port, cpus, role, free_port())
+        sides.append(Child(f"http://127.0.0.1:{child_port}", command, env, subprocess.Popen(command, env=env)))
+    stop_watching = threading.Event()
+    watcher = threading.Thread(target=keep_alive, args=(sides, stop_watching), name="tandem-pd-children",
+                               daemon=True)
 
     def stop(signum: int, frame: FrameType | None) -> None:
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, stop)
     try:
-        for url, proc in sides:
-            wait_healthy(url, proc)
-        config = PDConfig(prefill=(sides[0][0],), decode=(sides[1][0],), min_prompt_tokens=min_prompt_tokens,
+        for side in sides:
+            wait_healthy(side.url, side.proc)
+        watcher.start()
+        config = PDConfig(prefill=(sides[0].url,), decode=(sides[1].url,), min_prompt_tokens=min_prompt_tokens,
                           host=host, port=port)
         print(f"tandem: disaggregated: prefill on cores {prefill_cpus}, decode on cores {decode_cpus}; "
               f"serving on http://{host}:{port}", file=sys.stderr, flush=True)
@@ -97,11 +139,14 @@ def serve_disaggregated(argv: list[str], host: str, port: int, min_prompt_tokens
         print(f"tandem: error: {e}", file=sys.stderr)
         return 1
     finally:
-        for _, proc in sides:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for _, proc in sides:
+        stop_watching.set()
+        if watcher.is_alive():
+            watcher.join()
+        for side in sides:
+            if side.proc.poll() is None:
+                side.proc.send_signal(signal.SIGTERM)
+        for side in sides:
             try:
-                proc.wait(30)
+                side.proc.wait(30)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                side.proc.kill()

@@ -92,6 +92,6 @@ class PeerAllowlist:
         """Why ``host:port`` may not be used (a client-facing sentence), or None when it may."""
         if self.allows(host, port):
             return None
-        where = "loopback only (the default)" if self.default else ", ".join(self.entries)
+        where = "loopback (the default)" if self.default else ", ".join(self.entries)
         return (f"kv_transfer_params.remote_host {host!r} (port {port}) is not an allowed prefill engine; this "
                 f"decode engine pulls KV only from {where}: add it to \"prefill_hosts\" in --kv-transfer-config")

@@ -9,9 +9,9 @@ One request, as vLLM's disaggregation proxy and vllm-router's PD mode send it:
    prefix cache (this proxy does not follow its cache).
 3. Prefill leg: the client's body with ``"kv_transfer_params": {"do_remote_decode": true, ...}``,
    ``max_tokens`` (and ``max_completion_tokens``) 1, ``n`` 1, ``stream`` false, no ``stream_options``,
-   ``min_tokens`` or ``best_of``. A refusal (4xx) is the client's answer; an unreachable prefill server
-   sends the request to the decode server alone (it prefills itself), as do several prompts in one
-   body and prompt logprobs (``decode_only``).
+   ``min_tokens`` or ``best_of``. A refusal (4xx) is the client's answer; an unreachable prefill server,
+   or one answering 5xx (its engine died or restarts), sends the request to the decode server alone (it
+   prefills itself), as do several prompts in one body and prompt logprobs (``decode_only``).
 4. Decode leg: the client's body plus the ``kv_transfer_params`` of the prefill leg's response; its
    answer (an SSE stream or JSON) is relayed to the client as it comes. A client that leaves closes
    the decode leg, so the decode server aborts and frees both sides' blocks.
@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 PREFILL_LEG_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                       "remote_block_ids": None, "remote_host": None, "remote_port": None}
 _FORWARD_HEADERS = ("authorization", "x-request-id")
+CONNECT_ATTEMPTS = 2  # per leg: a connect timeout is tried once more (a refused connection is not)
 
 
 @dataclass(frozen=True)
@@ -106,19 +107,35 @@ class PDProxy:
         prefill = self.choose(self.prefill)
         self.outstanding[prefill] += 1
         try:
-            answer = await self.client.post(prefill + path, json=prefill_leg(body), headers=headers)
+            answer = await self._send(self.client.build_request("POST", prefill + path, json=prefill_leg(body),
+                                                                headers=headers), stream=False)
         except httpx.HTTPError as e:
-            logger.warning("prefill server %s unreachable (%s): the decode server prefills itself", prefill, e)
+            logger.warning("prefill server %s unreachable (%s): the decode server prefills itself", prefill, _why(e))
             self.num_prefill_unreachable += 1
             return await self._relay(decode, path, body, headers)
         finally:
             self.outstanding[prefill] -= 1
+        if answer.status_code >= 500:  # NOTE: its engine died or is restarting: the decode engine can prefill
+            logger.warning("prefill server %s answered %d: the decode server prefills itself", prefill,
+                           answer.status_code)
+            self.num_prefill_unreachable += 1
+            return await self._relay(decode, path, body, headers)
         if answer.status_code != 200:
             return Response(answer.content, answer.status_code, media_type="application/json",
                             headers=_retry_after(answer))
         params = answer.json().get("kv_transfer_params")
         self.num_disaggregated += 1
         return await self._relay(decode, path, {**body, "kv_transfer_params": params} if params else body, headers)
+
+    async def _send(self, request: httpx.Request, stream: bool) -> httpx.Response:
+        """Sends ``request``, once more after a connect timeout (nothing was sent: a loop busy with many
+        streams can miss ``connect_timeout_s`` on loopback). Raises: httpx.HTTPError: the last failure."""
+        for _ in range(CONNECT_ATTEMPTS - 1):
+            try:
+                return await self.client.send(request, stream=stream)
+            except httpx.ConnectTimeout:
+                logger.warning("connect timeout to %s: trying again", request.url)
+        return await self.client.send(request, stream=stream)
 
     async def _is_short(self, decode: str, body: dict[str, Any], headers: dict[str, str]) -> bool:
         query = {"messages": body["messages"]} if "messages" in body else {"prompt": body.get("prompt")}
@@ -136,11 +153,11 @@ class PDProxy:
         """Sends the decode leg and relays its answer (streamed as it comes when ``stream`` is set)."""
         self.outstanding[url] += 1
         try:
-            upstream = await self.client.send(self.client.build_request("POST", url + path, json=body,
-                                                                        headers=headers), stream=True)
+            upstream = await self._send(self.client.build_request("POST", url + path, json=body, headers=headers),
+                                        stream=True)
         except httpx.HTTPError as e:
             self.outstanding[url] -= 1
-            return APIError(502, f"the decode server {url} is unreachable: {e}", "service_unavailable", None,
+            return APIError(502, f"the decode server {url} is unreachable: {_why(e)}", "service_unavailable", None,
                             "decode_unreachable", 1.0).response()
         media = upstream.headers.get("content-type", "application/json")
         if not body.get("stream") or upstream.status_code != 200:
@@ -183,6 +200,11 @@ def prefill_leg(body: dict[str, Any]) -> dict[str, Any]:
     if "max_completion_tokens" in leg:
         leg["max_completion_tokens"] = 1
     return leg
+
+
+def _why(e: httpx.HTTPError) -> str:
+    """An httpx error for a message: its type, and its text when it has one (a timeout's is empty)."""
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
 def _retry_after(answer: httpx.Response) -> dict[str, str]:

@@ -24,7 +24,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from tandem.config import DEFAULT_MAX_QUEUE_LEN, TOOL_CALL_PARSERS, EngineConfig, ParallelConfig, ServerConfig
+from tandem.config import (
+    DEFAULT_MAX_QUEUE_LEN,
+    TOOL_CALL_PARSERS,
+    EngineConfig,
+    KVTransferConfig,
+    ParallelConfig,
+    ServerConfig,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +85,22 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         core_restart_window=args.core_restart_window, instance_id=args.instance_id,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
     )
+
+
+def kv_ports_error(kv: KVTransferConfig | None) -> str | None:
+    """Why a producer's KV ports (``--kv-transfer-config`` ``kv_ip`` : ``kv_port`` / ``kv_data_port``) cannot
+    be bound, or None. Checked before the model loads (the engine core binds them once it has)."""
+    if kv is None or not kv.is_producer:
+        return None
+    for name, port in (("kv_port", kv.kv_port), ("kv_data_port", kv.kv_data_port)):
+        if port == 0:
+            continue
+        try:
+            bind_socket(kv.kv_ip, port).close()
+        except OSError as e:
+            return (f"cannot bind the KV transfer port {kv.kv_ip}:{port} (--kv-transfer-config {name}): "
+                    f"{e.strerror or e}")
+    return None
 
 
 def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
@@ -223,6 +246,11 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: s
         print(f"tandem: error: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr)
         return 1
     remote = parallel_config is not None and parallel_config.engine_address is not None
+    kv_error = None if remote else kv_ports_error(engine_config.kv_transfer)
+    if kv_error is not None:
+        sock.close()
+        print(f"tandem: error: {kv_error}", file=sys.stderr)
+        return 1
     try:
         if remote:
             engine = _connect_engine(engine_config, server_config, parallel_config)

@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from tandem.config import ConfigError, KVTransferConfig
+from tandem.disagg.connector import RemotePrefill
 from tandem.disagg.consumer import KVPuller, PullJob
 from tandem.disagg.messages import KVIdentity
 from tandem.disagg.producer import KVTransferServer
@@ -25,7 +26,7 @@ def test_default_allowlist_is_loopback_and_own_kv_ip():
         assert not peers.allows(host, 14579), host
     assert peers.refusal("169.254.169.254", 80) == (
         "kv_transfer_params.remote_host '169.254.169.254' (port 80) is not an allowed prefill engine; this decode "
-        "engine pulls KV only from loopback only (the default): add it to \"prefill_hosts\" in --kv-transfer-config")
+        "engine pulls KV only from loopback (the default): add it to \"prefill_hosts\" in --kv-transfer-config")
     both = KVTransferConfig(kv_role="kv_both", kv_ip="10.0.0.7", secret="s").prefill_peers()
     assert both.allows("10.0.0.7", 1) and not both.allows("10.0.0.8", 1)
 
@@ -53,6 +54,31 @@ def test_explicit_prefill_hosts_replace_the_default():
 def test_bad_prefill_hosts_are_config_errors(value, message):
     with pytest.raises(ConfigError, match=message):
         KVTransferConfig(kv_role="kv_consumer", prefill_hosts=value)
+
+
+LEG = {"remote_host": "127.0.0.1", "remote_port": 14579, "remote_lease_id": "kv-1", "remote_block_ids": [3],
+       "remote_block_generations": [1]}
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"remote_port": 0}, "kv_transfer_params.remote_port must be 1-65535, got 0"),
+    ({"remote_port": 99999}, "kv_transfer_params.remote_port must be 1-65535, got 99999"),
+    ({"remote_port": -5}, "kv_transfer_params.remote_port must be 1-65535, got -5"),
+    ({"remote_port": "14579"}, "kv_transfer_params.remote_port must be an integer (from the prefill leg's response), "
+                               "got '14579'"),
+    ({"remote_host": 5}, "kv_transfer_params.remote_host must be a string (from the prefill leg's response), got 5"),
+])
+def test_a_decode_legs_bad_remote_port_is_a_400_before_any_connection(changes, message):
+    """Ports outside 1-65535 were accepted: the puller then waited transfer_timeout_s (or zmq refused the
+    address) before the fallback, holding up every pull queued behind it."""
+    with pytest.raises(ValueError) as e:
+        RemotePrefill.parse({**LEG, **changes})
+    assert str(e.value) == message
+
+
+def test_a_bracketed_ipv6_remote_host_is_the_address():
+    """"[::1]" passed the allowlist but the puller connected to tcp://[[::1]]:port (never answered)."""
+    assert RemotePrefill.parse({**LEG, "remote_host": "[::1]"}).host == "::1"
 
 
 IDENTITY = KVIdentity("a" * 64, "float32", 4, [(2, 1, 8)])

@@ -15,13 +15,20 @@ PREFILL, DECODE = "http://prefill:8100", "http://decode:8200"
 KV = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 14579, "remote_block_ids": [0, 1]}
 
 
-def serve(body: dict, *, prefill_status: int = 200, prefill_down: bool = False) -> tuple[httpx.Response, list]:
+def serve(body: dict, *, prefill_status: int = 200, prefill_down: bool = False,
+          connect_timeouts: int = 0) -> tuple[httpx.Response, list]:
     """Sends ``body`` through a PDProxy (threshold 16 tokens) whose servers are fakes; returns the client's
-    answer and the (url, body) of every upstream request."""
+    answer and the (url, body) of every upstream request. ``connect_timeouts``: each leg's first attempts
+    that time out connecting."""
     seen: list[tuple[str, dict]] = []
+    timeouts = {PREFILL: connect_timeouts, DECODE: connect_timeouts}
 
     def upstream(request: httpx.Request) -> httpx.Response:
         sent = json.loads(request.content)
+        server = PREFILL if str(request.url).startswith(PREFILL) else DECODE
+        if request.url.path != "/tokenize" and timeouts[server] > 0:
+            timeouts[server] -= 1
+            raise httpx.ConnectTimeout("")
         seen.append((str(request.url), sent))
         if request.url.path == "/tokenize":
             return httpx.Response(200, json={"count": len(sent["prompt"].split())})
@@ -98,3 +105,25 @@ def test_batched_prompts_and_prompt_logprobs_go_straight_to_decode():
         assert answer.status_code == 200 and seen == [(f"{DECODE}/v1/completions", body)], body
     answer, seen = serve({"prompt": list(range(40)), "max_tokens": 4, "echo": True})  # NOTE: one token-id prompt
     assert [url for url, _ in seen] == [f"{PREFILL}/v1/completions", f"{DECODE}/v1/completions"]
+
+
+def test_a_prefill_server_answering_503_lets_decode_prefill():
+    """A prefill server whose engine core died answers 503 while it restarts: that 503 was the client's answer
+    although the decode server could serve the request alone."""
+    body = {"prompt": " ".join(["word"] * 40), "max_tokens": 12}
+    answer, seen = serve(body, prefill_status=503)
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == "decoded"
+    assert seen[-1] == (f"{DECODE}/v1/completions", body)
+
+
+def test_a_connect_timeout_is_tried_once_more_on_each_leg():
+    """256 concurrent streams through the router: 11-23 of them were 502 ``decode_unreachable`` (and more took
+    the decode-only path) after a 2 s loopback connect timeout while the router's loop was busy."""
+    body = {"prompt": " ".join(["word"] * 40), "max_tokens": 12}
+    answer, seen = serve(body, connect_timeouts=1)
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == "decoded"
+    assert [url for url, _ in seen] == [f"{DECODE}/tokenize", f"{PREFILL}/v1/completions", f"{DECODE}/v1/completions"]
+    assert seen[-1][1]["kv_transfer_params"] == KV
+    answer, _ = serve(body, connect_timeouts=2)
+    assert answer.status_code == 502 and answer.json()["error"]["message"] == (
+        f"the decode server {DECODE} is unreachable: ConnectTimeout")
