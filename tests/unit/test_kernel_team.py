@@ -75,3 +75,49 @@ def test_a_forked_child_runs_kernels_with_a_team_of_its_own() -> None:
             proc.kill()
     assert proc.exitcode == 0
     assert child == parent.view(torch.int16).numpy().tobytes()
+
+
+_YIELDING_CHILD = """
+import sys, torch
+from tandem.kernels import build
+k = build.load_variant("avx2")
+g = torch.Generator().manual_seed(1)
+w = torch.randn(1000, 904, generator=g).bfloat16()  # K = 904: a ragged 16-column tail
+x = torch.randn(37, 904, generator=g).bfloat16()
+outs = []
+for threads in (1, 2, 3):
+    torch.set_num_threads(threads)
+    outs += [k.linear_bf16(x[:m].contiguous(), w, None) for m in (1, 5, 37)]
+torch.save(outs, sys.argv[1])
+"""
+
+
+def test_workers_that_yield_before_every_chunk_give_the_same_bits(tmp_path) -> None:  # noqa: ANN001
+    """TANDEM_YIELD_US=1: a worker calls sched_yield() before nearly every chunk it claims (the default
+    yields only after 200 us on the CPU, parallel.cpp). Outputs for 1-3 threads and M = 1 / 5 / 37
+    (the decode path and the blocked GEMM) must be the bits of this process's default run, each token's
+    row the same alone as in the batch, and within the bf16 rounding of a float64 ``x @ w.T``."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "outs.pt"
+    env = {**os.environ, "TANDEM_YIELD_US": "1"}
+    subprocess.run([sys.executable, "-c", _YIELDING_CHILD, str(out)], env=env, check=True, timeout=300)
+    yielded = torch.load(out)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(1000, 904, generator=g).bfloat16()
+    x = torch.randn(37, 904, generator=g).bfloat16()
+    kernels = build.load_variant("avx2")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        here = [kernels.linear_bf16(x[:m].contiguous(), w, None) for m in (1, 5, 37)]
+    finally:
+        torch.set_num_threads(before)
+    for i, y in enumerate(yielded):
+        assert torch.equal(y, here[i % 3]), f"thread count {1 + i // 3}, M {(1, 5, 37)[i % 3]}"
+    assert torch.equal(here[2][:5], here[1]) and torch.equal(here[2][:1], here[0])
+    ref = x.double() @ w.double().T
+    # bf16 output rounding (2^-8 relative) plus fp32 accumulation over 904 terms
+    assert ((here[2].double() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-3).all()

@@ -16,7 +16,16 @@
 //   chunk costs that chunk;
 // - waiting threads spin (pause) for TANDEM_SPIN_US microseconds (default kDefaultSpinUs), then sleep
 //   on a futex: consecutive kernels of a step reuse spinning workers, and a co-tenant gets the core
-//   back after the spin.
+//   back after the spin;
+// - a worker gives its core away only between chunks: before claiming one, a worker that has run
+//   TANDEM_YIELD_US (default kDefaultYieldUs) since it last slept or yielded calls sched_yield().
+//   With a co-tenant on its core, the scheduler (EEVDF, Linux >= 6.6) switches tasks at a tick once
+//   the running one has used its slice, mid-chunk; the caller then waited for that chunk until the
+//   worker's next turn (a slice of the co-tenant's, 4 ms at HZ=250): decode fell to 0.28x of the
+//   quiet rate with one busy process per core. A yield hands the core over where the worker holds
+//   nothing (the caller takes the remaining chunks meanwhile), and each yield moves the worker's
+//   deadline a slice later, so a tick rarely finds it past its deadline inside a chunk. On a core with
+//   nothing else to run, sched_yield returns at once (about a microsecond per TANDEM_YIELD_US).
 // Workers pin to the cores bind_omp_threads gave the OpenMP team (worker i to cpus[i]; the caller
 // is OpenMP thread 0). The team follows at::get_num_threads() and is rebuilt when it or the binding
 // changes; a forked child starts a new team. Results do not depend on the split (parallel.h).
@@ -52,14 +61,28 @@ namespace {
 
 constexpr int64_t kChunksPerThread = 4;
 constexpr int64_t kDefaultSpinUs = 50;
+constexpr int64_t kDefaultYieldUs = 200;
+
+// $name in microseconds (default `fallback`, negative = 0) as nanoseconds.
+int64_t env_ns(const char* name, long fallback) {
+  const char* v = std::getenv(name);
+  const long us = v != nullptr ? std::strtol(v, nullptr, 10) : fallback;
+  return static_cast<int64_t>(std::max(0L, us)) * 1000;
+}
 
 int64_t spin_ns() {
-  static const int64_t ns = [] {
-    const char* v = std::getenv("TANDEM_SPIN_US");
-    const long us = v != nullptr ? std::strtol(v, nullptr, 10) : kDefaultSpinUs;
-    return static_cast<int64_t>(std::max(0L, us)) * 1000;
-  }();
+  static const int64_t ns = env_ns("TANDEM_SPIN_US", kDefaultSpinUs);
   return ns;
+}
+
+int64_t yield_ns() {
+  static const int64_t ns = env_ns("TANDEM_YIELD_US", kDefaultYieldUs);
+  return ns;
+}
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
 }
 
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected) {
@@ -117,7 +140,7 @@ struct Team {
     claim.store(static_cast<uint64_t>(s) << 32, std::memory_order_relaxed);
     seq.store(s, std::memory_order_seq_cst);
     if (sleepers.load(std::memory_order_seq_cst) > 0) futex_wake(&seq, INT_MAX);
-    work(s, begin, end, chunk, nchunks, f, c);
+    work(s, begin, end, chunk, nchunks, f, c, nullptr);
     const auto all_done = [&] { return done.load(std::memory_order_acquire) == nchunks; };
     if (!spin_until(all_done)) {
       while (true) {
@@ -135,10 +158,22 @@ struct Team {
     }
   }
 
-  // Claims and runs chunks of job s until none is left or a newer job replaced it.
-  void work(uint32_t s, int64_t begin, int64_t end, int64_t chunk, int64_t nchunks, RangeFn f, const void* c) {
+  // Claims and runs chunks of job s until none is left or a newer job replaced it. resumed (workers;
+  // nullptr for the caller): when the thread last slept or yielded (now_ns), for the yield before a
+  // claim (see the top of the file).
+  void work(uint32_t s, int64_t begin, int64_t end, int64_t chunk, int64_t nchunks, RangeFn f, const void* c,
+            int64_t* resumed) {
     uint64_t cur = claim.load(std::memory_order_acquire);
     while ((cur >> 32) == s && static_cast<int64_t>(cur & 0xffffffffu) < nchunks) {
+      if (resumed != nullptr && yield_ns() > 0) {
+        const int64_t t = now_ns();
+        if (t - *resumed >= yield_ns()) {
+          sched_yield();
+          *resumed = now_ns();
+          cur = claim.load(std::memory_order_acquire);
+          continue;
+        }
+      }
       if (!claim.compare_exchange_weak(cur, cur + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
       const int64_t b = begin + static_cast<int64_t>(cur & 0xffffffffu) * chunk;
       try {
@@ -164,6 +199,7 @@ struct Team {
     // NOTE: 0, not seq's value now: a worker that starts late (the caller does not wait for it) must
     // still see every job published since the team was made, and the stop that ends it.
     uint32_t seen = 0;
+    int64_t resumed = now_ns();
     while (!stop.load(std::memory_order_acquire)) {
       const auto fresh = [&] {
         const uint32_t v = seq.load(std::memory_order_acquire);
@@ -174,6 +210,7 @@ struct Team {
         const uint32_t v = seq.load(std::memory_order_seq_cst);
         if ((v == seen || (v & 1u)) && !stop.load(std::memory_order_seq_cst)) futex_wait(&seq, v);
         sleepers.fetch_sub(1, std::memory_order_seq_cst);
+        resumed = now_ns();
         continue;
       }
       if (stop.load(std::memory_order_acquire)) break;
@@ -186,7 +223,7 @@ struct Team {
       std::atomic_thread_fence(std::memory_order_acquire);
       if (seq.load(std::memory_order_relaxed) != s) continue;  // a newer job is being written: read again
       seen = s;
-      work(s, b, e, ch, n, f, c);
+      work(s, b, e, ch, n, f, c, &resumed);
     }
   }
 
