@@ -130,6 +130,7 @@ class TandemConnector:
         self._pending: dict[str, _Pending] = {}  # decode legs waiting for free blocks
         self._pulling: dict[str, RemotePrefill] = {}  # decode legs whose pull is queued or running
         self._outcomes: dict[str, dict[str, Any]] = {}  # decode leg id -> its kv_transfer_params
+        self._announced: set[str] = set()  # decode legs whose first output carried them
         self.failed: list[tuple[str, str]] = []  # (request id, why) ended by the "fail" policy
         self.counters = dict.fromkeys(_COUNTERS, 0.0)
 
@@ -297,18 +298,26 @@ class TandemConnector:
             pending = self._pending.pop(rid, None)
             if pending is not None:
                 self.puller.release(pending.remote.host, pending.remote.port, [pending.remote.lease_id])
+            self._announced.discard(rid)
             if rid not in self._pulling:
                 self._outcomes.pop(rid, None)
 
     def on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
-        """Puts ``kv_transfer_params`` on the last output of prefill and decode legs. Changes: the outputs."""
+        """Puts ``kv_transfer_params`` on a decode leg's first and last outputs (how its prompt KV came: a
+        stop string may end it in the front end before its last output) and on a prefill leg's last one
+        (its held blocks). Changes: the outputs, ``_announced``."""
         for out in outputs:
+            rid = out.request_id
             if out.finish_reason is None:
+                if rid in self._outcomes and rid not in self._announced:  # NOTE: final (no output while pulling)
+                    out.kv_transfer_params = self._outcomes[rid]
+                    self._announced.add(rid)
                 continue
-            lease = self._leases.pop(out.request_id, None)
-            outcome = self._outcomes.pop(out.request_id, None)
+            self._announced.discard(rid)
+            outcome = self._outcomes.pop(rid, None)
             if outcome is not None:
                 out.kv_transfer_params = outcome
+            lease = self._leases.pop(out.request_id, None)
             if lease is not None and lease[0] in self.scheduler.kv_cache_manager.leases:
                 out.kv_transfer_params = self._prefill_params(out, *lease)
 

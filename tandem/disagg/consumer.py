@@ -1,14 +1,18 @@
-"""The decode side's KV puller: one background thread that fetches remote blocks into the local cache.
+"""The decode side's KV puller: background threads that fetch remote blocks into the local cache.
 
-The engine thread queues work (``submit``, ``renew``, ``release``); the thread owns every socket (per
-prefill engine one DEALER, with the ``messages`` handshake done once per connection, and its data
-connection, ``data_channel.py``), sends the pull and receives each layer's bytes straight into the
-request's local blocks (``recv_into`` views of the blocks the scheduler allocated for it, one per run
-of consecutive ids; scattered ids go through one reused buffer and one numpy copy; no step reads the
-blocks while the request waits for remote KV). Finished pulls are reported through ``results()``, and
-a byte on the ``wake`` socket wakes an idle engine loop. A producer that closes the data connection
-(killed: its kernel closes it) fails the pull at once, one that stays silent for ``timeout_s`` fails
-it then; either way both connections are dropped, so late bytes can never land in reused blocks.
+The engine thread queues work (``submit``, ``renew``, ``release``) for the thread of the prefill engine it
+names: each producer address gets a thread of its own (up to ``MAX_PULL_THREADS``; later ones share the
+last), so a producer that is slow or silent (a handshake waits up to ``timeout_s``) holds up only the
+pulls from it, never those from other producers; one producer's work stays in order. A thread owns its
+producers' sockets (per prefill engine one DEALER, with the ``messages`` handshake done once per
+connection, and its data connection, ``data_channel.py``), sends the pull and receives each layer's
+bytes straight into the request's local blocks (``recv_into`` views of the blocks the scheduler
+allocated for it, one per run of consecutive ids; scattered ids go through the thread's reused buffer
+and one numpy copy; no step reads the blocks while the request waits for remote KV). Finished pulls are
+reported through ``results()``, and a byte on the ``wake`` socket wakes an idle engine loop. A producer
+that closes the data connection (killed: its kernel closes it) fails the pull at once, one that stays
+silent for ``timeout_s`` fails it then; either way both connections are dropped, so late bytes can
+never land in reused blocks.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from tandem.kv_cache.transfer import as_rows, write_rows
 logger = logging.getLogger(__name__)
 
 MAX_DIRECT_RUNS = 8  # a layer's destination in at most this many runs of blocks is received in place
+MAX_PULL_THREADS = 16  # producer addresses with a pull thread of their own; later ones share the last
 
 
 class TransferError(Exception):
@@ -75,7 +80,7 @@ class PullResult:
 
 
 class KVPuller:
-    """Pulls remote KV blocks on one thread.
+    """Pulls remote KV blocks, on one thread per producer address (see the module docstring).
 
     Args:
         ctx: the process's ZeroMQ context (the ``wake`` socket is ``inproc`` on it).
@@ -92,32 +97,45 @@ class KVPuller:
         self.secret = secret
         self.kv_cache_groups = kv_cache_groups
         self.timeout_ms = int(timeout_s * 1000)
-        self._commands: queue.Queue = queue.Queue()
+        self._queues: dict[tuple[str, int], queue.Queue] = {}  # producer address -> its thread's commands
+        self._threads: list[tuple[threading.Thread, queue.Queue]] = []
         self._results: queue.Queue[PullResult] = queue.Queue()
         self._peers: dict[tuple[str, int], zmq.Socket] = {}
         self._data: dict[tuple[str, int], socket.socket] = {}  # each peer's data connection
-        self._staging = np.empty(0, dtype=np.uint8)  # reused for blocks that are not one run
+        self._local = threading.local()  # per thread: the staging buffer, the msgpack encoder and decoder
         self._unreachable: dict[tuple[str, int], tuple[str, float]] = {}  # a renew's failed handshake: why, when
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(ToConsumer)
         self._xfer_ids = iter(range(1, 1 << 62))
         address = f"inproc://tandem-kv-wake-{id(self)}"
         self.wake = ctx.socket(zmq.PAIR)  # NOTE: the engine loop polls this end
         self.wake.bind(address)
         self._wake_sender = ctx.socket(zmq.PAIR)
         self._wake_sender.connect(address)
-        self._thread = threading.Thread(target=self._run, name="tandem-kv-puller", daemon=True)
-        self._thread.start()
+        self._wake_lock = threading.Lock()  # NOTE: the pull threads share the wake socket
 
     # ---- engine thread ----
     def submit(self, job: PullJob) -> None:
-        self._commands.put(("pull", job))
+        self._queue((job.host, job.port)).put(("pull", job))
 
     def renew(self, host: str, port: int, lease_ids: list[str]) -> None:
-        self._commands.put(("send", (host, port), RenewLeases(lease_ids)))
+        self._queue((host, port)).put(("send", (host, port), RenewLeases(lease_ids)))
 
     def release(self, host: str, port: int, lease_ids: list[str]) -> None:
-        self._commands.put(("send", (host, port), ReleaseLeases(lease_ids)))
+        self._queue((host, port)).put(("send", (host, port), ReleaseLeases(lease_ids)))
+
+    def _queue(self, address: tuple[str, int]) -> queue.Queue:
+        """The command queue of ``address``'s pull thread, started at its first use."""
+        commands = self._queues.get(address)
+        if commands is None:
+            if len(self._threads) < MAX_PULL_THREADS:
+                commands = queue.Queue()
+                thread = threading.Thread(target=self._run, args=(commands,), daemon=True,
+                                          name=f"tandem-kv-puller-{len(self._threads)}")
+                self._threads.append((thread, commands))
+                thread.start()
+            else:
+                commands = self._threads[-1][1]
+            self._queues[address] = commands
+        return commands
 
     def results(self) -> list[PullResult]:
         """Pulls finished since the last call (drains the wake socket too). Changes: the result queue."""
@@ -134,24 +152,39 @@ class KVPuller:
                 return out
 
     def close(self) -> None:
-        self._commands.put(("stop",))
-        self._thread.join(timeout=5)
+        for _, commands in self._threads:
+            commands.put(("stop",))
+        for thread, _ in self._threads:
+            thread.join(timeout=5)
+        with self._wake_lock:
+            self._wake_sender.close(linger=0)
         self.wake.close(linger=0)
 
-    # ---- the thread ----
-    def _run(self) -> None:
+    # ---- the pull threads ----
+    def _run(self, commands: queue.Queue) -> None:
+        self._local.staging = np.empty(0, dtype=np.uint8)  # reused for blocks that are not one run
+        self._local.encoder = msgspec.msgpack.Encoder()
+        self._local.decoder = msgspec.msgpack.Decoder(ToConsumer)
         while True:
-            command = self._commands.get()
+            command = commands.get()
             if command[0] == "stop":
                 break
             if command[0] == "send":
                 self._send_quietly(command[1], command[2])
                 continue
             self._results.put(self._pull(command[1]))
-            self._wake_sender.send(b"", zmq.NOBLOCK)
-        for address in list(self._peers):
+            with self._wake_lock:
+                self._wake_sender.send(b"", zmq.NOBLOCK)
+        for address in [a for a, q in list(self._queues.items()) if q is commands]:
             self._drop(address)
-        self._wake_sender.close(linger=0)
+
+    @property
+    def _encoder(self) -> msgspec.msgpack.Encoder:
+        return self._local.encoder
+
+    @property
+    def _decoder(self) -> msgspec.msgpack.Decoder:
+        return self._local.decoder
 
     def _send_quietly(self, address: tuple[str, int], message: Any) -> None:
         if isinstance(message, ReleaseLeases) and address not in self._peers:
@@ -302,10 +335,11 @@ class KVPuller:
                 _recv_into(data, memoryview(rows[start:start + length]).cast("B"), "KV blocks", self._silent)
             return row * len(index)
         n = row * len(index)
-        if self._staging.nbytes < n:
-            self._staging = np.empty(n, dtype=np.uint8)
-        _recv_into(data, memoryview(self._staging[:n]), "KV blocks", self._silent)
-        rows = torch.from_numpy(self._staging[:n]).view(cache.dtype).view(len(index), *cache.shape[1:])
+        if self._local.staging.nbytes < n:
+            self._local.staging = np.empty(n, dtype=np.uint8)
+        staging = self._local.staging
+        _recv_into(data, memoryview(staging[:n]), "KV blocks", self._silent)
+        rows = torch.from_numpy(staging[:n]).view(cache.dtype).view(len(index), *cache.shape[1:])
         write_rows(cache, index, rows)
         return n
 

@@ -93,6 +93,38 @@ def with_default_tokenizer(config: RouterConfig, clock=time.monotonic, sleep=tim
     return config
 
 
+def load_router_tokenizer(config: RouterConfig) -> Any | None:
+    """``config.tokenizer`` loaded (None: none; ``with_default_tokenizer`` resolves the default first).
+
+    Raises:
+        ConfigError: kv-aware without a tokenizer, or one that does not load.
+    """
+    if config.tokenizer is None:
+        if config.policy == "kv-aware":
+            raise ConfigError(NO_TOKENIZER)
+        return None
+    from tandem.bench.datasets import load_tokenizer
+
+    try:
+        return load_tokenizer(config.tokenizer)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot load the tokenizer {config.tokenizer}: {e}") from e
+
+
+def router_chat_template(config: RouterConfig) -> str | None:
+    """The ``--chat-template`` text (``engine.loading.load_chat_template``).
+
+    Raises:
+        ConfigError: neither a readable file nor a Jinja template, or it does not compile.
+    """
+    from tandem.engine.loading import load_chat_template
+
+    try:
+        return load_chat_template(config.chat_template)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
 class RouterService:
     """The router's long-lived parts: backends, HTTP client, health task, KV event subscribers.
 
@@ -130,9 +162,7 @@ class RouterService:
                 b.subscriber.start()
         self.metrics = RouterMetrics([b.state for b in self.backends])
         tokenizer = self._tokenizer if self._tokenizer is not None else await self._load_tokenizer()
-        from tandem.engine.loading import load_chat_template
-
-        reader = PromptReader(tokenizer, block_size, load_chat_template(cfg.chat_template))
+        reader = PromptReader(tokenizer, block_size, router_chat_template(cfg))
         self.router = Router(cfg, self.backends, make_policy(cfg.policy, cfg.beta), reader, self.client,
                              self.metrics)
         self._health_task = asyncio.get_running_loop().create_task(self._health_loop(), name="router-health")
@@ -146,22 +176,8 @@ class RouterService:
         return count
 
     async def _load_tokenizer(self) -> Any | None:
-        """``config.tokenizer`` loaded (None: none; ``run_router`` resolved the default before start).
-
-        Raises:
-            ConfigError: kv-aware without a tokenizer, or one that does not load.
-        """
-        path = self.config.tokenizer
-        if path is None:
-            if self.config.policy == "kv-aware":
-                raise ConfigError(NO_TOKENIZER)
-            return None
-        from tandem.bench.datasets import load_tokenizer
-
-        try:
-            return await asyncio.to_thread(load_tokenizer, path)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"cannot load the tokenizer {path}: {e}") from e
+        """``load_router_tokenizer`` off the event loop (``run_router`` loads it before the server starts)."""
+        return await asyncio.to_thread(load_router_tokenizer, self.config)
 
     async def _health_loop(self) -> None:
         while True:
@@ -272,13 +288,15 @@ def run_router(config: RouterConfig, log_level: str = "info") -> int:
     """Serves the router until interrupted (uvicorn on ``config.host:config.port``).
 
     Raises:
-        ConfigError: kv-aware and no tokenizer (``with_default_tokenizer``).
+        ConfigError: kv-aware and no tokenizer (``with_default_tokenizer``), a tokenizer that does not
+            load, or a bad chat template (all before the server starts).
     """
     import uvicorn
 
     config = with_default_tokenizer(config)
+    router_chat_template(config)  # NOTE: a bad tokenizer or template is a one-line error, not a failed lifespan
     logging.getLogger("httpx").setLevel(logging.WARNING)  # NOTE: not a line per proxied request
-    service = RouterService(config)
+    service = RouterService(config, tokenizer=load_router_tokenizer(config))
 
     class _Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -40,7 +41,8 @@ class RouterConfig:
             ``/load`` ``num_kv_blocks``, else ``kv_index.DEFAULT_APPROX_CAPACITY_BLOCKS``).
 
     Raises (on creation):
-        ConfigError: no backend, a malformed URL, an unknown policy, or a bound out of range.
+        ConfigError: no backend, a malformed URL, an unknown policy, or a bound out of range (NaN and
+            infinite times or beta included).
     """
 
     backends: tuple[str, ...]
@@ -71,8 +73,10 @@ class RouterConfig:
             raise ConfigError(f"a backend is listed twice: {list(self.backends)}")
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown routing policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
-        if self.beta < 0:
-            raise ConfigError(f"--kv-beta must be >= 0, got {self.beta}")
+        if not (math.isfinite(self.beta) and self.beta >= 0):
+            raise ConfigError(f"--kv-beta must be a finite number >= 0, got {self.beta}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in 0-65535, got {self.port}")
         events = tuple((_check_url(u), e) for u, e in self.kv_events)
         object.__setattr__(self, "kv_events", events)
         for url, endpoint in events:
@@ -85,11 +89,13 @@ class RouterConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
-        for name in ("health_interval_s", "eject_s", "connect_timeout_s", "request_timeout_s", "retry_after_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.backend_startup_timeout_s < 0:
-            raise ConfigError(f"--backend-startup-timeout must be >= 0, got {self.backend_startup_timeout_s}")
+        for name in ("health_interval_s", "eject_s", "max_eject_s", "connect_timeout_s", "request_timeout_s",
+                     "retry_after_s"):
+            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
+                raise ConfigError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
+        if not (self.backend_startup_timeout_s >= 0 and math.isfinite(self.backend_startup_timeout_s)):
+            raise ConfigError("--backend-startup-timeout must be a finite number >= 0, "
+                              f"got {self.backend_startup_timeout_s}")
         if self.max_eject_s < self.eject_s:
             raise ConfigError(f"max_eject_s ({self.max_eject_s}) must be >= eject_s ({self.eject_s})")
         if self.failure_threshold < 1:

@@ -85,6 +85,21 @@ def test_vllm_kv_transfer_params_exchange(pd):
     assert text == colocated(decode, prompt)  # NOTE: after the pull, so the decode side had nothing cached
 
 
+def test_a_decode_leg_ended_by_a_stop_string_says_how_its_kv_came(pd):
+    """The front end ends a request at a stop string before the engine's last output, which alone carried
+    the decode leg's ``kv_transfer_params``: the answer had none (not even a ``local_fallback``)."""
+    prefill, decode, _ = pd
+    prompt = PROMPT + " and her cat"
+    reference = httpx.post(prefill.url + "/v1/completions", json={"prompt": prompt, **GREEDY}, timeout=60)
+    first_word = reference.json()["choices"][0]["text"].split()[0]  # NOTE: not asked of decode: it would cache it
+    leg = {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    params = httpx.post(prefill.url + "/v1/completions", json=leg, timeout=60).json()["kv_transfer_params"]
+    answer = httpx.post(decode.url + "/v1/completions", timeout=60, json={
+        "prompt": prompt, **GREEDY, "stop": [first_word], "kv_transfer_params": params})
+    assert answer.status_code == 200 and answer.json()["choices"][0]["finish_reason"] == "stop", answer.text
+    assert answer.json()["kv_transfer_params"]["remote_prefill"] == "pulled", answer.json()
+
+
 def test_router_pairs_prefill_and_decode(pd):
     prefill, decode, url = pd
     prompt = "The sun was shining and the birds were singing in the tall green trees near the river"

@@ -142,3 +142,23 @@ def test_a_producer_that_goes_silent_mid_stream_fails_the_pull_at_the_timeout(pa
     result = pull(puller, port, [1, 2, 3], [4, 5, 6])
     assert result.error == "the prefill engine sent nothing for 0.3 s (KV blocks)"
     assert time.monotonic() - t0 < 1.9
+
+
+def test_a_silent_producer_holds_up_only_its_own_pulls(pair):
+    """A decode leg may name an allowed address where nothing speaks the protocol (an HTTP port): its
+    handshake waits out the timeout (5 s here), and another producer's pull must not queue behind it."""
+    _, puller, port, source, dest = pair
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # NOTE: accepts TCP (the kernel's backlog), never answers
+        silent_port = silent.getsockname()[1]
+        puller.submit(PullJob("stuck", "127.0.0.1", silent_port, "lease", [0], [0], [0]))
+        time.sleep(0.2)  # NOTE: the silent producer's thread is now inside its handshake
+        t0 = time.monotonic()
+        result = pull(puller, port, [3, 4], [5, 6])
+        assert result.request_id == "r" and result.error is None
+        assert time.monotonic() - t0 < 2.5  # NOTE: one thread for all: it came after the 5 s handshake wait
+        assert torch.equal(dest[0][0][0][[5, 6]], source[0][0][0][[3, 4]])
+        deadline, stuck = time.monotonic() + 10, []
+        while not stuck and time.monotonic() < deadline:
+            puller.wake.poll(50)
+            stuck = puller.results()
+        assert [r.request_id for r in stuck] == ["stuck"] and "sent nothing for 5 s" in stuck[0].error

@@ -6,6 +6,8 @@ from tandem.cli import main
 from tandem.config import ConfigError
 from tandem.router.config import RouterConfig
 
+NO_WAIT = ("--backend", "http://a:1", "--backend-startup-timeout", "0")  # a failure cannot start a server
+
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["router"], "the router needs at least one --backend URL"),
@@ -16,6 +18,15 @@ from tandem.router.config import RouterConfig
      "--kv-events names http://b:1, which is not a --backend"),
     (["router", "--backend", "http://a:1", "--max-outstanding-per-backend", "0"],
      "max_outstanding_per_backend must be >= 1, got 0"),
+    (["router", *NO_WAIT, "--kv-beta", "nan"], "--kv-beta must be a finite number >= 0, got nan"),
+    (["router", *NO_WAIT, "--health-interval", "inf"], "health_interval_s must be a finite number > 0, got inf"),
+    (["router", *NO_WAIT, "--eject-seconds", "1", "--max-eject-seconds", "inf"],
+     "max_eject_s must be a finite number > 0, got inf"),
+    (["router", *NO_WAIT, "--port", "99999"], "--port must be in 0-65535, got 99999"),
+    # a bad tokenizer or chat template: one line before the server starts, not a failed lifespan
+    (["router", *NO_WAIT, "--tokenizer", "/nonexistent/tok"], "cannot load the tokenizer"),
+    (["router", "--backend", "http://a:1", "--policy", "round-robin", "--chat-template", "/nonexistent.jinja"],
+     "--chat-template '/nonexistent.jinja' is neither an existing file nor a Jinja template"),
     # nothing listens on port 1: no /v1/models names a tokenizer, and kv-aware needs one
     (["router", "--backend", "http://127.0.0.1:1", "--connect-timeout", "0.5", "--backend-startup-timeout", "0"],
      "the kv-aware policy needs the backends' tokenizer: pass --tokenizer PATH"),
@@ -74,7 +85,7 @@ def test_kv_aware_waits_for_a_loading_backend_to_name_its_tokenizer(tmp_path, ca
     assert capsys.readouterr().err.count("tandem router: waiting up to 60 s for a backend") == 1
     with pytest.raises(ConfigError, match="needs the backends' tokenizer"):  # and gives up at the deadline
         with_default_tokenizer(RouterConfig(backends=(f"http://127.0.0.1:{port}",), backend_startup_timeout_s=1.0))
-    with pytest.raises(ConfigError, match="--backend-startup-timeout must be >= 0"):
+    with pytest.raises(ConfigError, match="--backend-startup-timeout must be a finite number >= 0"):
         RouterConfig(backends=("http://a:1",), backend_startup_timeout_s=-1)
 
 
