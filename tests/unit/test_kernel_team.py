@@ -93,8 +93,8 @@ torch.save(outs, sys.argv[1])
 
 
 def test_workers_that_yield_before_every_chunk_give_the_same_bits(tmp_path) -> None:  # noqa: ANN001
-    """TANDEM_YIELD_US=1: a worker calls sched_yield() before nearly every chunk it claims (the default
-    yields only after 200 us on the CPU, parallel.cpp). Outputs for 1-3 threads and M = 1 / 5 / 37
+    """TANDEM_YIELD_US=1: a worker calls sched_yield() before nearly every chunk it claims (by default
+    workers never yield, parallel.cpp). Outputs for 1-3 threads and M = 1 / 5 / 37
     (the decode path and the blocked GEMM) must be the bits of this process's default run, each token's
     row the same alone as in the batch, and within the bf16 rounding of a float64 ``x @ w.T``."""
     import os

@@ -18,7 +18,11 @@
 //   on a futex: consecutive kernels of a step reuse spinning workers, and a co-tenant gets the core
 //   back after the spin;
 // - a worker gives its core away only between chunks: before claiming one, a worker that has run
-//   TANDEM_YIELD_US (default kDefaultYieldUs) since it last slept or yielded calls sched_yield().
+//   TANDEM_YIELD_US (default kDefaultYieldUs = 0: off) since it last slept or yielded calls sched_yield().
+//   NOTE: off by default: measured with contention_bench --pairs (quiet and busy seconds apart, load
+//   2.1-2.5), the team without yields already kept 0.49x of its quiet rate under one busy process per
+//   core (the 0.28x before came from quiet and busy columns minutes apart), and 200 us yields gave
+//   the same 0.49x at a quiet rate 9% lower (8.19 against 8.97 tokens/s, within the noise).
 //   With a co-tenant on its core, the scheduler (EEVDF, Linux >= 6.6) switches tasks at a tick once
 //   the running one has used its slice, mid-chunk; the caller then waited for that chunk until the
 //   worker's next turn (a slice of the co-tenant's, 4 ms at HZ=250): decode fell to 0.28x of the
@@ -61,7 +65,7 @@ namespace {
 
 constexpr int64_t kChunksPerThread = 4;
 constexpr int64_t kDefaultSpinUs = 50;
-constexpr int64_t kDefaultYieldUs = 200;
+constexpr int64_t kDefaultYieldUs = 0;  // off: see the NOTE at the top of the file
 
 // $name in microseconds (default `fallback`, negative = 0) as nanoseconds.
 int64_t env_ns(const char* name, long fallback) {
