@@ -154,8 +154,9 @@ class KVPuller:
     def close(self) -> None:
         for _, commands in self._threads:
             commands.put(("stop",))
+        deadline = time.monotonic() + 5  # NOTE: one bound for all: threads inside a handshake stop after it
         for thread, _ in self._threads:
-            thread.join(timeout=5)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
         with self._wake_lock:
             self._wake_sender.close(linger=0)
         self.wake.close(linger=0)
@@ -174,7 +175,10 @@ class KVPuller:
                 continue
             self._results.put(self._pull(command[1]))
             with self._wake_lock:
-                self._wake_sender.send(b"", zmq.NOBLOCK)
+                try:
+                    self._wake_sender.send(b"", zmq.NOBLOCK)
+                except zmq.ZMQError:  # NOTE: closed: close() gave up waiting for this thread
+                    break
         for address in [a for a, q in list(self._queues.items()) if q is commands]:
             self._drop(address)
 
