@@ -68,9 +68,12 @@ LIMITS: dict[str, dict[str, int | None]] = {
     **{op: _limits(_NONE, None) for op in _AVX2_ONLY_LINEAR_OPS + _AVX2_ONLY_MOE_OPS},
     # avx2 only for now; on avx512_bf16 models.moe.moe_grouped runs one linear_bf16 pair per expert
     "moe_bf16": _limits(_NONE, None),
+    # the greedy sampler's argmax (sample/ops.greedy_sample), avx2 only (an AVX-512 CPU runs it too)
+    "argmax": _limits(_NONE, None),
 }
 # op -> {selected variant: the variant whose kernel runs instead}, for operators the selected one lacks.
-ROUTES: dict[str, dict[str, str]] = {op: {"avx512_bf16": "avx2"} for op in _AVX2_ONLY_LINEAR_OPS + _AVX2_ONLY_MOE_OPS}
+ROUTES: dict[str, dict[str, str]] = {op: {"avx512_bf16": "avx2"}
+                                     for op in (*_AVX2_ONLY_LINEAR_OPS, *_AVX2_ONLY_MOE_OPS, "argmax")}
 
 # What each path is, for the start-up line, /metrics and /version.
 DESCRIPTIONS = {"avx512_bf16": "AVX-512 BF16 + VNNI", "avx2": "AVX2+FMA+F16C", "torch": "stock PyTorch ops"}
