@@ -38,12 +38,18 @@ def add_router_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--max-outstanding-per-backend", type=int, default=None,
                    help="requests in flight per backend beyond which the router answers 429 (default: no cap)")
     r.add_argument("--health-interval", type=float, default=1.0, help="seconds between /health checks")
-    r.add_argument("--failure-threshold", type=int, default=3, help="consecutive 5xx answers that eject a backend")
+    r.add_argument("--failure-threshold", type=int, default=3,
+                   help="consecutive 5xx answers or first-byte timeouts that eject a backend (default 3)")
     r.add_argument("--eject-seconds", type=float, default=2.0,
                    help="first ejection time; doubles after a failed half-open probe")
     r.add_argument("--max-eject-seconds", type=float, default=30.0)
     r.add_argument("--connect-timeout", type=float, default=2.0, help="seconds to connect to a backend")
-    r.add_argument("--request-timeout", type=float, default=600.0, help="seconds for a backend's whole response")
+    r.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a backend may stay silent between two reads of its answer (default 600)")
+    r.add_argument("--first-byte-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="seconds to wait for a backend's first response byte; then the request is retried once "
+                        "on another backend and the silent one counted as failed (default 60, 0: no limit; "
+                        "a request without stream gets its first byte with the whole answer)")
     r.add_argument("--backend-startup-timeout", type=float, default=300.0,
                    help="kv-aware without --tokenizer: seconds to wait at start for a backend to answer /v1/models "
                         "(backends may still be loading; default 300, 0: do not wait)")
@@ -59,8 +65,8 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_outstanding_per_backend=args.max_outstanding_per_backend, health_interval_s=args.health_interval,
         failure_threshold=args.failure_threshold, eject_s=args.eject_seconds, max_eject_s=args.max_eject_seconds,
         connect_timeout_s=args.connect_timeout, request_timeout_s=args.request_timeout,
-        backend_startup_timeout_s=args.backend_startup_timeout, host=args.host,
-        port=args.port)
+        first_byte_timeout_s=args.first_byte_timeout, backend_startup_timeout_s=args.backend_startup_timeout,
+        host=args.host, port=args.port)
 
 
 def cmd_router(args: argparse.Namespace) -> int:
