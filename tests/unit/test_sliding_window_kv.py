@@ -153,3 +153,13 @@ def test_scheduler_frees_out_of_window_blocks_and_keeps_the_window_intact(block_
     assert [len(r.output_token_ids) for r in requests] == [12] * 6
     assert sched.kv_cache_manager.num_free_blocks == num_blocks and min_free < num_blocks // 2
     assert runner.num_checked_keys > 6 * 70
+
+
+def test_attention_metadata_reads_freed_entries_as_block_0_and_never_writes_them() -> None:
+    from tandem.attention import AttentionMetadata
+
+    meta = AttentionMetadata.build([20], [1], [[SKIPPED_BLOCK_ID, SKIPPED_BLOCK_ID, 7, 3, 9, 5]], 4)
+    assert meta.block_tables.tolist() == [[0, 0, 7, 3, 9, 5]]
+    assert meta.slot_mapping.tolist() == [5 * 4 + 0]
+    with pytest.raises(ValueError, match="freed out of the sliding window"):
+        AttentionMetadata.build([4], [1], [[7, SKIPPED_BLOCK_ID]], 4)
