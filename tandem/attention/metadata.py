@@ -19,7 +19,10 @@ class AttentionMetadata:
         slot_mapping: ``[T]`` int64, cache slot of each new token (``block_id * block_size + offset``).
         query_start_loc: ``[R + 1]`` int32, cumulative new-token counts (starts at 0).
         seq_lens: ``[R]`` int32, context length of each row including this step's tokens.
-        block_tables: ``[R, max_blocks]`` int32, each row's block ids, padded with 0.
+        block_tables: ``[R, max_blocks]`` int32, each row's block ids, padded with 0; also 0 where the
+            scheduler's table has a negative id (``kv_cache.manager.SKIPPED_BLOCK_ID``: a block freed
+            because it is out of every layer's sliding window), so a kernel that reads such an entry
+            before masking it still reads inside the cache.
         num_computed: ``[R]`` int32, tokens of each row already in the cache before this step.
         block_size: tokens per cache block.
     """
@@ -45,7 +48,8 @@ class AttentionMetadata:
         computed with tensor ops (no loop over tokens).
 
         Raises:
-            ValueError: a row's block table is too short for its context.
+            ValueError: a row's block table is too short for its context, or a new token falls in a
+                freed (negative id) entry.
         """
         seq_lens = [c + n for c, n in zip(num_computed, num_scheduled, strict=True)]
         for r, (length, blocks) in enumerate(zip(seq_lens, block_ids, strict=True)):
@@ -62,6 +66,9 @@ class AttentionMetadata:
         positions = token_positions(computed, counts)
         row_of_token = torch.repeat_interleave(torch.arange(len(counts)), counts)
         block_of_token = tables[row_of_token, positions // block_size].long()
+        if len(block_of_token) and int(block_of_token.min()) < 0:
+            raise ValueError("a new token's slot is in a block freed out of the sliding window")
+        tables.clamp_(min=0)
         query_start_loc = torch.zeros(len(counts) + 1, dtype=torch.int32)
         query_start_loc[1:] = torch.cumsum(counts, 0)
         return cls(
