@@ -259,3 +259,22 @@ async def test_a_429_goes_elsewhere_and_comes_back_as_429_with_retry_after_never
     assert (r.status_code, r.json(), r.headers["retry-after"]) == (429, busy, "1")
     assert fakes.posts()[2:] in ([A, B], [B, A])
     await _stop(service, client)
+
+
+async def test_a_hung_health_check_holds_up_no_other_backends_probes():
+    fakes, hung = Fakes(), asyncio.Event()
+    fakes.script = {A: ok, B: ok}
+    handle = fakes.handle
+
+    async def health_hangs_on_a(request):
+        if request.url.host == "a" and request.url.path == "/health":
+            fakes.calls.append((A, "/health"))
+            await hung.wait()  # NOTE: MockTransport enforces no timeout: A's probe never returns
+        return await handle(request)
+
+    fakes.handle = health_hangs_on_a
+    service, client = await _start(fakes, A, B, health_interval_s=0.05)
+    await asyncio.sleep(0.6)
+    probes = [b for b, p in fakes.calls if p == "/health"]
+    assert probes.count(A) == 1 and probes.count(B) >= 4
+    await _stop(service, client)

@@ -89,7 +89,8 @@ def refuse(request):
 
 async def _start(fakes, *backends, **kw):
     kw.setdefault("policy", "least-load")
-    config = RouterConfig(backends=backends, health_interval_s=3600.0, **kw)
+    kw.setdefault("health_interval_s", 3600.0)
+    config = RouterConfig(backends=backends, **kw)
     service = RouterService(config, tokenizer=CharTokenizer(), transport=httpx.MockTransport(fakes.handle))
     await service.start()
     client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(service)), base_url="http://router")
