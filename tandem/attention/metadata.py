@@ -20,7 +20,10 @@ class AttentionMetadata:
         slot_mapping: ``[T]`` int64, cache slot of each new token (``block_id * block_size + offset``).
         query_start_loc: ``[R + 1]`` int32, cumulative new-token counts (starts at 0).
         seq_lens: ``[R]`` int32, context length of each row including this step's tokens.
-        block_tables: ``[R, max_blocks]`` int32, each row's block ids, padded with 0.
+        block_tables: ``[R, max_blocks]`` int32, each row's block ids, padded with 0; also 0 where the
+            scheduler's table has a negative id (``kv_cache.manager.SKIPPED_BLOCK_ID``: a block freed
+            because it is out of every layer's sliding window), so a kernel that reads such an entry
+            before masking it still reads inside the cache.
         num_computed: ``[R]`` int32, tokens of each row already in the cache before this step.
         block_size: tokens per cache block.
         positions: ``[T]`` int64, position of each new token (``num_computed[r] + i``); None when the
@@ -52,7 +55,8 @@ class AttentionMetadata:
         prefill chunk's ~0.3 ms here is lost in its forward pass.
 
         Raises:
-            ValueError: a row's block table is too short for its context.
+            ValueError: a row's block table is too short for its context, or a new token falls in a
+                freed (negative id) entry.
         """
         seq_lens = [c + n for c, n in zip(num_computed, num_scheduled, strict=True)]
         for r, (length, blocks) in enumerate(zip(seq_lens, block_ids, strict=True)):
@@ -62,18 +66,28 @@ class AttentionMetadata:
                 )
         width = max(1, max((len(b) for b in block_ids), default=0))
         positions = [p for c, n in zip(num_computed, num_scheduled, strict=True) for p in range(c, c + n)]
-        slots = [blocks[p // block_size] * block_size + p % block_size
-                 for c, n, blocks in zip(num_computed, num_scheduled, block_ids, strict=True) for p in range(c, c + n)]
+        token_blocks = [blocks[p // block_size]
+                        for c, n, blocks in zip(num_computed, num_scheduled, block_ids, strict=True)
+                        for p in range(c, c + n)]
+        if token_blocks and min(token_blocks) < 0:
+            raise ValueError("a new token's slot is in a block freed out of the sliding window")
+        slots = [block * block_size + p % block_size for block, p in zip(token_blocks, positions, strict=True)]
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             query_start_loc=torch.tensor([0, *itertools.accumulate(num_scheduled)], dtype=torch.int32),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=torch.tensor([[*b, *[0] * (width - len(b))] for b in block_ids], dtype=torch.int32)
+            block_tables=torch.tensor([_table_row(b, width) for b in block_ids], dtype=torch.int32)
             if block_ids else torch.zeros(0, 1, dtype=torch.int32),
             num_computed=torch.tensor(num_computed, dtype=torch.int32),
             block_size=block_size,
             positions=torch.tensor(positions, dtype=torch.int64),
         )
+
+
+def _table_row(blocks: list[int], width: int) -> list[int]:
+    """A block table row padded with 0 to ``width`` entries, freed (negative) ids as 0."""
+    row = list(blocks) if not blocks or min(blocks) >= 0 else [max(b, 0) for b in blocks]
+    return row + [0] * (width - len(row))
 
 
 def token_positions(num_computed: torch.Tensor, num_scheduled: torch.Tensor) -> torch.Tensor:
