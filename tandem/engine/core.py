@@ -79,7 +79,7 @@ def build_scheduler(config: EngineConfig, runner: ModelRunner, clock: Callable[[
                                  config.scheduler.max_num_seqs, runner.max_model_len)
     runner.initialize_kv_cache(num_blocks)
     scheduler = Scheduler(config.scheduler, config.cache, num_blocks, runner.max_model_len,
-                          config.speculative, clock=clock)
+                          config.speculative, clock=clock, sliding_window=runner.kv_window)
     if scheduler.max_model_len < runner.max_model_len:
         # NOTE: one request alone must fit in the pool, or it would preempt itself forever.
         logger.warning(

@@ -26,7 +26,7 @@ from tandem.kernels.build import load_extension, selected_variant, unsupported_r
 
 __all__ = [
     "available", "backend", "dequantize", "linear_bf16", "moe_bf16", "moe_int4", "moe_int8", "moe_q8_0", "linear_int4",
-    "moe_kquant", "linear_int8", "linear_max_tokens", "paged_attention", "rms_norm", "rotary", "silu_and_mul",
+    "moe_kquant", "linear_int8", "linear_max_tokens", "paged_attention", "rms_norm", "rotary", "silu_and_mul", "argmax",
     "supports_window_softcap", "unavailable_reason",
 ]
 
@@ -43,9 +43,17 @@ def linear_max_tokens() -> int:
 
 def available(op: str | None = None) -> bool:
     """True when a compiled variant is loaded (built on the first call) and, if ``op`` is given,
-    it implements that operator (a function name of this module, e.g. ``"linear_q4_1"``)."""
+    that operator (a function name of this module, e.g. ``"linear_q4_1"``) runs on a compiled kernel:
+    the loaded variant's own, or for an operator of the kernel registry the variant it routes to
+    (``registry.ROUTES``: the avx2-only operators on an ``avx512_bf16`` CPU)."""
     module = load_extension()
-    return module is not None and (op is None or hasattr(module, op))
+    if module is None or op is None:
+        return module is not None
+    from tandem.kernels import registry
+
+    if op in registry.LIMITS:
+        return registry.backend_for(op) != "torch"
+    return hasattr(module, op)
 
 
 def backend() -> str:
@@ -125,7 +133,7 @@ def moe_bf16(
     Raises:
         RuntimeError: wrong dtypes or shapes, an expert id outside ``[0, E)`` (raised by the kernel).
     """
-    return load_extension().moe_bf16(x, w13, w2, weights, ids)
+    return _routed("moe_bf16")(x, w13, w2, weights, ids)
 
 
 def moe_int8(
@@ -143,7 +151,7 @@ def moe_int8(
     Raises:
         RuntimeError: wrong dtypes or shapes, an expert id outside ``[0, E)`` (raised by the kernel).
     """
-    return load_extension().moe_int8(x, w13_q, w13_s, w2_q, w2_s, weights, ids)
+    return _routed("moe_int8")(x, w13_q, w13_s, w2_q, w2_s, weights, ids)
 
 
 def moe_q8_0(
@@ -157,7 +165,7 @@ def moe_q8_0(
     Raises:
         RuntimeError: wrong dtypes or shapes, an expert id outside ``[0, E)`` (raised by the kernel).
     """
-    return load_extension().moe_q8_0(x, w13_q, w13_s, w2_q, w2_s, weights, ids)
+    return _routed("moe_q8_0")(x, w13_q, w13_s, w2_q, w2_s, weights, ids)
 
 
 def moe_int4(
@@ -171,7 +179,7 @@ def moe_int4(
     Raises:
         RuntimeError: wrong dtypes or shapes, an expert id outside ``[0, E)`` (raised by the kernel).
     """
-    return load_extension().moe_int4(x, w13_q, w13_s, w2_q, w2_s, weights, ids)
+    return _routed("moe_int4")(x, w13_q, w13_s, w2_q, w2_s, weights, ids)
 
 
 def moe_kquant(
@@ -187,7 +195,7 @@ def moe_kquant(
     Raises:
         RuntimeError: an unknown format, wrong dtypes or shapes, an expert id outside ``[0, E)`` (the kernel).
     """
-    return load_extension().moe_kquant(x, w13_q, w13_s, w2_q, w2_s, weights, ids, w13_format, w2_format)
+    return _routed("moe_kquant")(x, w13_q, w13_s, w2_q, w2_s, weights, ids, w13_format, w2_format)
 
 
 def dequantize(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -269,6 +277,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return load_extension().silu_and_mul(x)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``torch.max(x, dim=-1).indices`` of ``x [R, V]`` bf16 / float32 with contiguous rows -> ``[R]`` int64: the
+    first index of each row's maximum, or of its first NaN (the avx2 build's kernel, routed there from
+    avx512_bf16; callers check ``registry.use("argmax")``)."""
+    return _routed("argmax")(x)
+
+
 __all__ += ["dequantize_q4_1", "dequantize_q8_0", "linear_q4_1", "linear_q8_0"]
 
 
@@ -326,10 +341,18 @@ __all__ += ["linear_q4_k", "linear_q5_0", "linear_q6_k"]
 
 
 def _routed(op: str):  # noqa: ANN202
-    """``op`` of the variant the kernel registry routes it to (the avx2 build for the GGUF K-quant linears)."""
+    """``op`` of the variant the kernel registry runs it on: the loaded variant's, or the one it routes to
+    (the avx2 build, for the GGUF Q5_0 / K-quant linears and the MoE kernels on an ``avx512_bf16`` CPU).
+
+    Raises:
+        AttributeError: the operator runs on no compiled variant here (callers ask ``registry.use`` first).
+    """
     from tandem.kernels import build, registry
 
-    return getattr(build.load_variant(registry.backend_for(op)), op)
+    backend = registry.backend_for(op)
+    if backend == "torch":
+        raise AttributeError(f"no compiled kernel runs {op} here (backend {build.selected_variant() or 'torch'})")
+    return getattr(build.load_variant(backend), op)
 
 
 def linear_q5_0(

@@ -18,6 +18,23 @@ The life of a block (see ``block_pool.py``):
    ``renew`` to extend); it is never reused while held.
 4. **freed**: ref count 0, in the LRU free queue; it stays hashable until allocation evicts it.
 
+Sliding-window models (vLLM v1's ``SlidingWindowManager.remove_skipped_blocks``): when every layer
+attends only to its last ``sliding_window`` tokens (``sliding_window`` set; Mistral), a block wholly
+before ``num_computed_tokens - sliding_window + 1`` is read by no future query. ``allocate_slots``
+frees such blocks first (last one first, so the shared prefix survives longest in the LRU queue) and
+leaves ``SKIPPED_BLOCK_ID`` in their place in the table, so token ``p`` still sits in
+``table[p // block_size]``. A freed block only loses this request's reference: a prefix block that
+another request shares stays owned (ref counts), and a freed block keeps its hash (its KV is still
+right for that prefix) until allocation reuses it, which removes the hash first (``BlockPool``).
+Prefix-hit blocks already out of the window are not taken at all. Requests whose KV is transferred
+(``request.kv_lease_id``) keep every block, since the receiver needs them all.
+
+Models mixing sliding and full-attention layers (Gemma 2/3, Qwen2 with ``max_window_layers``) free
+nothing before the request ends: one block holds a token's K/V for *every* layer, so a block is
+needed while any full-attention layer can read it, i.e. always. Freeing per layer group needs one
+block table and one pool per group (vLLM's ``HybridKVCacheCoordinator`` with a cache tensor per
+group); this manager keeps one table per request over one pool.
+
 Which calls mutate state: ``allocate_slots``, ``cache_written_blocks``, ``free``, ``hold``, ``renew``,
 ``release``, ``expire_leases``, ``reset_prefix_cache``. ``get_computed_blocks`` only extends
 ``request.block_hashes``; the rest are read-only.
@@ -34,6 +51,8 @@ from tandem.kv_cache.hashing import update_block_hashes
 from tandem.kv_cache.leases import DEFAULT_LEASE_TTL_S, LeaseTable
 from tandem.request import Request
 
+SKIPPED_BLOCK_ID = -1  # a table entry whose block was freed: wholly outside every layer's sliding window
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -48,22 +67,28 @@ class KVCacheManager:
         enable_prefix_caching: reuse full blocks of earlier requests with the same prefix.
         lease_ttl_s: default lifetime of a lease on held blocks (seconds).
         clock: monotonic clock in seconds for lease expiry (tests inject a fake one).
+        sliding_window: tokens every layer attends back to (all layers slide; the model runner's
+            ``kv_window``): blocks out of it are freed while the request runs. None: kept to the end.
 
     Raises:
-        ValueError: ``num_blocks < 1``, ``block_size < 1`` or ``lease_ttl_s <= 0``.
+        ValueError: ``num_blocks < 1``, ``block_size < 1``, ``sliding_window < 1`` or ``lease_ttl_s <= 0``.
     """
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
         lease_ttl_s: float = DEFAULT_LEASE_TTL_S, clock: Callable[[], float] = time.monotonic,
+        sliding_window: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        self.sliding_window = sliding_window
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching)
-        self._req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self._req_blocks: dict[str, list[KVCacheBlock | None]] = {}  # None: freed, out of the window
         # Leading blocks of each table whose KV is written (registered in the prefix cache when full).
         self._num_cached_blocks: dict[str, int] = {}
         self.leases = LeaseTable(lease_ttl_s, clock)
@@ -91,8 +116,9 @@ class KVCacheManager:
         return set(self._req_blocks)
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table (a copy; empty for an unknown request). Changes nothing."""
-        return [b.block_id for b in self._req_blocks.get(request_id, ())]
+        """The request's block table (a copy; empty for an unknown request; ``SKIPPED_BLOCK_ID`` where a
+        block out of the sliding window was freed). Changes nothing."""
+        return _ids(self._req_blocks.get(request_id, ()))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The longest cached prefix of ``request``: (block ids, number of tokens they hold).
@@ -130,10 +156,12 @@ class KVCacheManager:
         first allocation since it (re)started) are shared, the rest come from the free queue.
         New blocks are only allocated: they enter the prefix cache once written
         (``cache_written_blocks``), so a request scheduled later in the same step cannot hit them.
+        With ``sliding_window``, the blocks wholly before the window of the first token to compute are
+        freed first (hit blocks there are not taken) and read ``SKIPPED_BLOCK_ID`` in the table.
 
         Returns:
             The request's whole block table after allocation, or None when there are not enough free
-            blocks; then nothing changed.
+            blocks; then nothing changed but the freeing of blocks out of the window.
         Changes (on success): the request's table, ref counts, free queue (evicting cached blocks
         it reuses), and the prefix-cache counters on a first allocation.
         Raises:
@@ -143,23 +171,45 @@ class KVCacheManager:
         rid = request.request_id
         self._validate_allocation(request, num_new_tokens, new_computed_block_ids, num_new_computed_tokens)
         owned = self._req_blocks.get(rid, [])
-        computed = [self.block_pool.blocks[i] for i in new_computed_block_ids]
-        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_new_blocks = max(0, cdiv(total, self.block_size) - len(owned) - len(computed))
+        start = request.num_computed_tokens + num_new_computed_tokens
+        num_skipped = self._num_skipped(request, start)
+        self._free_skipped(owned, num_skipped)
+        computed: list[KVCacheBlock | None] = [self.block_pool.blocks[i] for i in new_computed_block_ids]
+        computed[:num_skipped] = [None] * min(num_skipped, len(computed))  # hits already out of the window
+        kept_hits = [b for b in computed if b is not None]
+        num_new_blocks = max(0, cdiv(start + num_new_tokens, self.block_size) - len(owned) - len(computed))
         # NOTE: hit blocks sitting in the free queue would be counted twice (as free and as reused).
-        num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        num_evictable_hits = sum(1 for b in kept_hits if b.ref_cnt == 0)
         if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
             return None
         if rid not in self._req_blocks and self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_new_computed_tokens
-        self.block_pool.touch(computed)  # before get_new_blocks, so the hits cannot be evicted
+        self.block_pool.touch(kept_hits)  # before get_new_blocks, so the hits cannot be evicted
         table = self._req_blocks.setdefault(rid, [])
         if computed:
             self._num_cached_blocks[rid] = len(computed)  # hits are written blocks already
         table.extend(computed)
         table.extend(self.block_pool.get_new_blocks(num_new_blocks))
-        return [b.block_id for b in table]
+        return _ids(table)
+
+    def _num_skipped(self, request: Request, start: int) -> int:
+        """Leading blocks no query from token ``start`` on reads: wholly before ``start - window + 1``."""
+        if self.sliding_window is None or request.kv_lease_id is not None:
+            return 0  # NOTE: a request whose KV is leased to a transfer keeps all of it for the receiver
+        return max(0, start - self.sliding_window + 1) // self.block_size
+
+    def _free_skipped(self, table: list[KVCacheBlock | None], num_skipped: int) -> None:
+        """Frees ``table[:num_skipped]`` (last first, down to the first entry already freed) and leaves
+        None there. Changes: the table, ref counts, the free queue."""
+        freed: list[KVCacheBlock] = []
+        for i in range(min(num_skipped, len(table)) - 1, -1, -1):
+            block = table[i]
+            if block is None:
+                break  # NOTE: skipped entries are a leading run, freed by earlier calls
+            freed.append(block)
+            table[i] = None
+        self.block_pool.free_blocks(freed)
 
     def _validate_allocation(
         self, request: Request, num_new_tokens: int, hit_ids: Sequence[int], num_hit_tokens: int
@@ -196,7 +246,11 @@ class KVCacheManager:
             return 0
         update_block_hashes(request, self.block_size)
         self._num_cached_blocks[rid] = num_full
-        return self.block_pool.cache_full_blocks(table[start:num_full], request.block_hashes[start:num_full])
+        # NOTE: a block out of the sliding window freed before it was registered (remote KV without
+        # prefix caching first) stays unregistered; its KV may already be someone else's.
+        pairs = [(b, h) for b, h in zip(table[start:num_full], request.block_hashes[start:num_full], strict=True)
+                 if b is not None]
+        return self.block_pool.cache_full_blocks([b for b, _ in pairs], [h for _, h in pairs])
 
     def free(self, request: Request) -> None:
         """Returns all of the request's blocks at once (no-op if it owns none).
@@ -208,7 +262,7 @@ class KVCacheManager:
         table = self._req_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         if table:
-            self.block_pool.free_blocks(reversed(table))
+            self.block_pool.free_blocks(b for b in reversed(table) if b is not None)
 
     def reset_prefix_cache(self) -> int:
         """Forgets all prefix-cache entries (e.g. after new weights); returns how many were dropped.
@@ -238,7 +292,8 @@ class KVCacheManager:
         Raises:
             ValueError: ``lease_id`` is already leased, or ``ttl_s <= 0``.
         """
-        lease = self.leases.add(lease_id, self._req_blocks.get(request.request_id, []), ttl_s)
+        table = self._req_blocks.get(request.request_id, [])
+        lease = self.leases.add(lease_id, [b for b in table if b is not None], ttl_s)
         self._req_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         return lease.block_ids
@@ -282,17 +337,21 @@ class KVCacheManager:
 
         Raises:
             AssertionError: a ref count differs from the number of tables and leases holding the
-                block (a leak or a double free), a table holds a block twice, a table block past its
+                block (a leak or a double free), a table holds a block twice or has freed (out of the
+                window) entries after live ones or without a window, a table block past its
                 written prefix has a hash (KV not yet written is hashable), or the pool's own
                 invariants fail (free queue vs ref 0, stale hash map).
         """
         holders: Counter[int] = Counter()
         for rid, table in self._req_blocks.items():
-            ids = [b.block_id for b in table]
+            num_skipped = next((i for i, b in enumerate(table) if b is not None), len(table))
+            _require(None not in table[num_skipped:], f"request {rid}: freed entries after live ones")
+            _require(not num_skipped or self.sliding_window is not None, f"request {rid}: freed entries, no window")
+            ids = [b.block_id for b in table[num_skipped:]]
             _require(len(set(ids)) == len(ids), f"request {rid} holds a block twice: {ids}")
             holders.update(ids)
             num_written = self._num_cached_blocks.get(rid, 0)
-            unwritten = [b.block_id for b in table[num_written:] if b.block_hash is not None]
+            unwritten = [b.block_id for b in table[max(num_written, num_skipped):] if b.block_hash is not None]
             _require(not unwritten, f"request {rid}: unwritten blocks {unwritten} have a prefix-cache hash")
         for lease in self.leases:
             holders.update(lease.block_ids)
@@ -301,3 +360,7 @@ class KVCacheManager:
                      f"block {block.block_id}: ref_cnt {block.ref_cnt}, held by {holders[block.block_id]} "
                      f"tables/leases")
         self.block_pool.check()
+
+
+def _ids(table: Sequence[KVCacheBlock | None]) -> list[int]:
+    return [SKIPPED_BLOCK_ID if b is None else b.block_id for b in table]

@@ -114,6 +114,13 @@ class HFModelConfig:
         as transformers' ``sliding_window_overlay``), or None for full attention."""
         return self.layer_windows[layer] if self.layer_windows else None
 
+    @property
+    def kv_window(self) -> int | None:
+        """The sliding window (tokens) of every layer when all of them slide (the largest one if they
+        differ), else None: only then can KV blocks out of the window be freed (``KVCacheManager``)."""
+        windows = self.layer_windows or (None,)
+        return None if None in windows else max(w for w in windows if w is not None)
+
 
 def load_hf_config(model_dir: Path | str) -> HFModelConfig:
     """Parse ``model_dir/config.json`` and, when present, ``model_dir/generation_config.json``.

@@ -10,8 +10,8 @@ for the block size, the KV event endpoint and the cache size (read again when a 
 answers later, or comes back from an ejection: a restarted engine may publish elsewhere); the
 tokenizer is ``--tokenizer`` or (``with_default_tokenizer``, before the server starts) the first
 backend's ``/v1/models`` ``root`` when that is a local path (required for kv-aware); KV event
-subscribers start; the health task probes every backend each ``health_interval_s`` (an ejected
-one only when its ejection time is up, ``health.py``).
+subscribers start; the health task probes every backend each ``health_interval_s``, each on its
+own (an ejected one only when its ejection time is up, ``health.py``).
 """
 
 from __future__ import annotations
@@ -180,8 +180,12 @@ class RouterService:
         return await asyncio.to_thread(load_router_tokenizer, self.config)
 
     async def _health_loop(self) -> None:
+        # NOTE: one loop per backend: a hung backend's probe (up to its 5 s read timeout) delays no other's
+        await asyncio.gather(*(self._probe_loop(b) for b in self.backends))
+
+    async def _probe_loop(self, b: HttpBackend) -> None:
         while True:
-            await asyncio.gather(*(self._check(b) for b in self.backends))
+            await self._check(b)
             await asyncio.sleep(self.config.health_interval_s)
 
     async def _check(self, b: HttpBackend) -> None:

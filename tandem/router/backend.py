@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -19,6 +20,22 @@ logger = logging.getLogger(__name__)
 PROBE_READ_TIMEOUT_S = 5.0  # for /health and /load answers
 
 
+class FirstByteWait:
+    """One request waiting for a backend's first response byte, under ``asyncio.timeout``; an ejection
+    of the backend ends the wait at once (``ejected`` True), as the timeout would."""
+
+    def __init__(self, timeout: asyncio.Timeout) -> None:
+        self.timeout = timeout
+        self.ejected = False
+
+    def cut(self) -> None:
+        """Ends the wait now (the waiting task gets ``TimeoutError``) unless its time is already up.
+        Changes: ``ejected``, the deadline."""
+        if not self.timeout.expired():
+            self.ejected = True
+            self.timeout.reschedule(asyncio.get_running_loop().time())
+
+
 class HttpBackend:
     """An HTTP backend (Tandem, vLLM, llama.cpp's server, ...) behind the router.
 
@@ -28,6 +45,8 @@ class HttpBackend:
             ``EventBlockIndex``), else None (an ``ApproxBlockIndex``).
         load: its last ``/load`` answer (Tandem only; None for other servers or before discovery).
         busy_until: monotonic time until which it is skipped after answering 429 (its ``Retry-After``).
+        waiting: the requests sent to it that wait for their first response byte (``FirstByteWait``);
+            an ejection cuts them short, so they are retried elsewhere instead of waiting on a hung server.
     """
 
     def __init__(self, url: str, config: RouterConfig, on_eject: Callable[[str], None],
@@ -40,14 +59,21 @@ class HttpBackend:
         capacity = config.approx_capacity_blocks or DEFAULT_APPROX_CAPACITY_BLOCKS
         self.state = BackendState(url, max_outstanding=config.max_outstanding_per_backend,
                                   index=ApproxBlockIndex(capacity))
+        self._on_eject = on_eject
         self.health = BackendHealth(self.state, config.failure_threshold, config.eject_s, config.max_eject_s,
-                                    clock, on_eject)
+                                    clock, self._ejected)
+        self.waiting: set[FirstByteWait] = set()
         self.subscriber: KVEventSubscriber | None = None
         self.load: dict[str, Any] | None = None
         self.answered_load = False  # it answered GET /load at least once (any status)
         self.busy_until = 0.0
         # NOTE: a busy server may take seconds to answer; only failing to connect is quick evidence
         self._probe_timeout = httpx.Timeout(PROBE_READ_TIMEOUT_S, connect=config.connect_timeout_s)
+
+    def _ejected(self, reason: str) -> None:
+        self._on_eject(reason)
+        for wait in list(self.waiting):
+            wait.cut()
 
     @property
     def busy(self) -> bool:

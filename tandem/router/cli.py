@@ -16,9 +16,19 @@ def _kv_events_pair(text: str) -> tuple[str, str]:
     return url, endpoint
 
 
+RETRY_RULES = (
+    "Retries over --backend servers: a request that fails before its first response byte reached the client "
+    "(a connect error, a 5xx, no byte within --first-byte-timeout, or its backend ejected, e.g. by a timed-out "
+    "/health probe, while it waited) is retried once on another healthy backend; a backend's 429 sends it to "
+    "the next one (not a retry). A stream that breaks later is not retried: it ends with an SSE error event "
+    "and [DONE]. With no backend left the router answers 429 with Retry-After (all full), 502 (the attempts "
+    "failed) or 503 with Retry-After (none healthy), as OpenAI error JSON.")
+
+
 def add_router_parser(sub) -> argparse.ArgumentParser:
     """Adds ``tandem router`` to the subcommands; returns its parser (other modes add their flags to it)."""
-    r = sub.add_parser("router", help="route OpenAI requests over several OpenAI-compatible servers")
+    r = sub.add_parser("router", help="route OpenAI requests over several OpenAI-compatible servers",
+                       epilog=RETRY_RULES)
     r.add_argument("--backend", action="append", default=[], metavar="URL",
                    help="an OpenAI-compatible server (Tandem, vLLM, llama.cpp), e.g. http://127.0.0.1:8000; repeat")
     r.add_argument("--host", default="127.0.0.1")
@@ -38,12 +48,19 @@ def add_router_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--max-outstanding-per-backend", type=int, default=None,
                    help="requests in flight per backend beyond which the router answers 429 (default: no cap)")
     r.add_argument("--health-interval", type=float, default=1.0, help="seconds between /health checks")
-    r.add_argument("--failure-threshold", type=int, default=3, help="consecutive 5xx answers that eject a backend")
+    r.add_argument("--failure-threshold", type=int, default=3,
+                   help="consecutive 5xx answers or first-byte timeouts that eject a backend (default 3)")
     r.add_argument("--eject-seconds", type=float, default=2.0,
                    help="first ejection time; doubles after a failed half-open probe")
     r.add_argument("--max-eject-seconds", type=float, default=30.0)
     r.add_argument("--connect-timeout", type=float, default=2.0, help="seconds to connect to a backend")
-    r.add_argument("--request-timeout", type=float, default=600.0, help="seconds for a backend's whole response")
+    r.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a backend may stay silent between two reads of its answer (default 600)")
+    r.add_argument("--first-byte-timeout", type=float, default=0.0, metavar="SECONDS",
+                   help="seconds to wait for a backend's first response byte; then the request is retried once "
+                        "on another backend and the silent one counted as failed (default 0: no limit; a hung "
+                        "backend's requests are retried once its /health probe ejects it). A request without "
+                        "stream gets its first byte with its whole answer")
     r.add_argument("--backend-startup-timeout", type=float, default=300.0,
                    help="kv-aware without --tokenizer: seconds to wait at start for a backend to answer /v1/models "
                         "(backends may still be loading; default 300, 0: do not wait)")
@@ -59,8 +76,8 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_outstanding_per_backend=args.max_outstanding_per_backend, health_interval_s=args.health_interval,
         failure_threshold=args.failure_threshold, eject_s=args.eject_seconds, max_eject_s=args.max_eject_seconds,
         connect_timeout_s=args.connect_timeout, request_timeout_s=args.request_timeout,
-        backend_startup_timeout_s=args.backend_startup_timeout, host=args.host,
-        port=args.port)
+        first_byte_timeout_s=args.first_byte_timeout, backend_startup_timeout_s=args.backend_startup_timeout,
+        host=args.host, port=args.port)
 
 
 def cmd_router(args: argparse.Namespace) -> int:

@@ -32,7 +32,13 @@ class RouterConfig:
         max_outstanding_per_backend: router-side cap on a backend's requests in flight (None: none).
         health_interval_s: seconds between active ``/health`` checks of each backend.
         failure_threshold, eject_s, max_eject_s: see ``health.BackendHealth``.
-        connect_timeout_s / request_timeout_s: to a backend: connecting / the whole response.
+        connect_timeout_s / request_timeout_s: to a backend: connecting / silence between two reads.
+        first_byte_timeout_s: seconds a request waits for its answer's first body byte before it is
+            retried once on another backend and the backend counted as failed (0, the default: no
+            limit; a hung server's requests are still retried once its ``/health`` probe ejects it).
+            NOTE: off by default because a healthy CPU backend's queue makes long first bytes
+            (``router_bench``'s TTFT p99 reached 30-95 s), and a request without ``stream`` gets its
+            first byte only with the whole answer: a timeout there would retry work, not failures.
         retry_after_s: the ``Retry-After`` of the router's own 429 and 503 answers.
         backend_startup_timeout_s: how long the router waits at start for a backend to answer
             ``/v1/models`` when it must find the tokenizer there (kv-aware without ``tokenizer``):
@@ -59,6 +65,7 @@ class RouterConfig:
     max_eject_s: float = 30.0
     connect_timeout_s: float = 2.0
     request_timeout_s: float = 600.0
+    first_byte_timeout_s: float = 0.0
     retry_after_s: float = 1.0
     backend_startup_timeout_s: float = 300.0
     approx_capacity_blocks: int | None = None
@@ -93,9 +100,10 @@ class RouterConfig:
                      "retry_after_s"):
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
                 raise ConfigError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
-        if not (self.backend_startup_timeout_s >= 0 and math.isfinite(self.backend_startup_timeout_s)):
-            raise ConfigError("--backend-startup-timeout must be a finite number >= 0, "
-                              f"got {self.backend_startup_timeout_s}")
+        for flag, value in (("--backend-startup-timeout", self.backend_startup_timeout_s),
+                            ("--first-byte-timeout", self.first_byte_timeout_s)):
+            if not (value >= 0 and math.isfinite(value)):
+                raise ConfigError(f"{flag} must be a finite number >= 0, got {value}")
         if self.max_eject_s < self.eject_s:
             raise ConfigError(f"max_eject_s ({self.max_eject_s}) must be >= eject_s ({self.eject_s})")
         if self.failure_threshold < 1:

@@ -4,8 +4,9 @@ half-open before it is trusted again. A state machine on an injectable clock; no
 States (``HealthState``), as in a circuit breaker (Envoy's outlier detection, Nygard's *Release It!*):
 
 - ``HEALTHY``: routed normally. A connect error (refused, reset, timeout before the response) or a
-  failed active check ejects it at once; ``5xx`` responses eject it after ``failure_threshold``
-  in a row (one success resets the count).
+  failed active check ejects it at once; passive failures (a ``5xx`` answer, no response byte within
+  the router's first-byte timeout) eject it after ``failure_threshold`` in a row (one success resets
+  the count).
 - ``EJECTED``: not routed (``BackendState.healthy`` False) for ``backoff`` seconds, which starts at
   ``eject_s`` and doubles with every ejection that follows a half-open failure (at most
   ``max_eject_s``). When it has passed, ``due_probe`` is True and the active checker probes ``/health``.
@@ -40,7 +41,7 @@ class BackendHealth:
 
     Args:
         backend: its routing state (``healthy`` and ``probation`` are set from here).
-        failure_threshold: consecutive 5xx responses that eject it (>= 1).
+        failure_threshold: consecutive passive failures (5xx, first-byte timeouts) that eject it (>= 1).
         eject_s / max_eject_s: the first and the largest ejection time in seconds.
         clock: monotonic seconds.
         on_eject: called with the reason at each ejection (the router counts them in /metrics).
@@ -63,7 +64,7 @@ class BackendHealth:
         self._clock = clock
         self._on_eject = on_eject
         self.state = HealthState.HEALTHY
-        self.consecutive_5xx = 0
+        self.consecutive_failures = 0
         self.ejections = 0
         self.backoff_s = eject_s
         self.ejected_until = 0.0
@@ -95,7 +96,7 @@ class BackendHealth:
         self.ejections += 1
         self.last_error = reason
         self.ejected_until = self._clock() + self.backoff_s
-        self.consecutive_5xx = 0
+        self.consecutive_failures = 0
         logger.warning("backend %s ejected for %.1f s: %s", self.backend.name, self.backoff_s, reason)
         self._set(HealthState.EJECTED)
         if self._on_eject is not None:
@@ -106,18 +107,23 @@ class BackendHealth:
         self.eject(reason)
 
     def on_response(self, status: int) -> None:
-        """A response's status: 5xx counts towards ejection; anything else is a success (a 4xx is the
-        client's doing, a 429 the backend's load: both show it alive). Changes: the 5xx count, state."""
+        """A response's status: 5xx is a passive failure (``on_failure``); anything else is a success (a
+        4xx is the client's doing, a 429 the backend's load: both show it alive). Changes: see ``on_failure``."""
         if status >= 500:
-            self.consecutive_5xx += 1
-            if self.state is HealthState.HALF_OPEN or self.consecutive_5xx >= self.failure_threshold:
-                self.eject(f"{self.consecutive_5xx} consecutive {status} responses")
+            self.on_failure(f"answered {status}")
             return
         self.on_success()
 
+    def on_failure(self, reason: str) -> None:
+        """A passive failure (a 5xx answer, no first byte in time): ejects the backend at the
+        ``failure_threshold``-th in a row, or at once when half-open. Changes: the failure count, state."""
+        self.consecutive_failures += 1
+        if self.state is HealthState.HALF_OPEN or self.consecutive_failures >= self.failure_threshold:
+            self.eject(f"{self.consecutive_failures} consecutive failures, the last: {reason}")
+
     def on_success(self) -> None:
         """The backend answered well: a half-open backend becomes healthy. Changes: state, backoff, 5xx count."""
-        self.consecutive_5xx = 0
+        self.consecutive_failures = 0
         if self.state is HealthState.HALF_OPEN:
             logger.info("backend %s is healthy again", self.backend.name)
             self.backoff_s = self.eject_s
@@ -143,5 +149,6 @@ class BackendHealth:
     def describe(self) -> dict[str, object]:
         """The JSON-ready state for ``GET /backends``. No state changes."""
         left = max(0.0, self.ejected_until - self._clock()) if self.state is HealthState.EJECTED else 0.0
-        return {"state": self.state.value, "ejections": self.ejections, "consecutive_5xx": self.consecutive_5xx,
-                "ejected_for_s": round(left, 3), "last_error": self.last_error}
+        return {"state": self.state.value, "ejections": self.ejections,
+                "consecutive_failures": self.consecutive_failures, "ejected_for_s": round(left, 3),
+                "last_error": self.last_error}

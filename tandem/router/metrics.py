@@ -2,9 +2,12 @@
 
 - ``tandem_router:requests_total{backend}``: requests sent (each attempt of a retried one counts).
 - ``tandem_router:errors_total{backend, kind}``: ``connect`` (never reached / no response),
-  ``5xx``, ``stream`` (broken after the first byte), ``probe`` (a failed active check).
-- ``tandem_router:ejections_total{backend}``, ``tandem_router:retries_total``,
-  ``tandem_router:rejected_total{status}`` (the router's own 429 / 503 answers).
+  ``5xx``, ``timeout`` (no first byte within ``--first-byte-timeout``), ``ejected`` (a request
+  waiting for its first byte when the backend was ejected), ``stream`` (broken after the first
+  byte), ``probe`` (a failed active check).
+- ``tandem_router:ejections_total{backend}``, ``tandem_router:retries_total`` (requests sent to a
+  second backend after a failure), ``tandem_router:rejected_total{status}`` (the router's own
+  429 / 502 / 503 answers).
 - ``tandem_router:prompt_blocks_total{backend}`` / ``tandem_router:routed_hit_blocks_total{backend}``:
   prompt blocks routed there and how many of them its index held at dispatch; their ratio is the
   routed prefix hit rate, also exported as the gauge ``tandem_router:routed_prefix_hit_rate{backend}``.
@@ -22,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from tandem.router.policy import BackendState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-ERROR_KINDS = ("connect", "5xx", "stream", "probe")
+ERROR_KINDS = ("connect", "5xx", "timeout", "ejected", "stream", "probe")
 
 
 class RouterMetrics:
@@ -52,7 +55,7 @@ class RouterMetrics:
                 self.errors.labels(x.name, kind)
             for series in (self.requests, self.ejections, self.prompt_blocks, self.hit_blocks):
                 series.labels(x.name)
-        for status in ("429", "503"):
+        for status in ("429", "502", "503"):
             self.rejected.labels(status)
 
     def dispatched(self, backend: BackendState, prompt_blocks: int, hit_blocks: int) -> None:

@@ -6,13 +6,19 @@ One request's path:
 2. The raw body goes to ``{backend}{path}`` with the client's headers (minus hop-by-hop ones).
 3. Until the response's first body chunk arrives nothing reaches the client, and a failure is
    retried **once** on another backend: a connect error (refused, reset, no response, a body that
-   breaks before its first chunk) or a 5xx status; both also count against the backend's health. A
-   429 marks that backend busy for its ``Retry-After`` and the request tries the next one (not
-   counted as a retry). After the first chunk nothing is retried: a stream that breaks later ends
-   with an SSE error event and ``data: [DONE]`` (a non-SSE body: the connection drops), and the
-   backend is ejected.
-4. No backend left: the router answers 429 when healthy backends exist but all are full (their 429
-   passed through when they said so, else its own), 503 when none is healthy; both with ``Retry-After``.
+   breaks before its first chunk; it ejects the backend), a 5xx status or no first byte within
+   ``--first-byte-timeout`` (passive failures: ``--failure-threshold`` in a row eject it), or the
+   backend ejected (e.g. by a ``/health`` probe that timed out on a SIGSTOPped server) while the
+   request waited: every request waiting on it is cut short at once and retried (the first-byte
+   timeout is Envoy's per-try timeout; SGLang's and vLLM's routers also retry a failed request on
+   another worker). A 429
+   marks that backend busy for its ``Retry-After`` and the request tries the next one (not counted as
+   a retry). After the first chunk nothing is retried: a stream that breaks later ends with an SSE
+   error event and ``data: [DONE]`` (a non-SSE body: the connection drops), and the backend is ejected.
+4. No backend left: a backend's 429 is relayed (with a ``Retry-After``) when one said so; after failed
+   attempts the router answers 502 naming each failure (503 with ``Retry-After`` when no backend is
+   healthy any more), never a backend's 5xx body; otherwise 429 when healthy backends exist but all
+   are full, 503 when none is healthy; both with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -29,7 +36,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from tandem.gateway.upstream import sse_error_event
-from tandem.router.backend import HttpBackend
+from tandem.router.backend import FirstByteWait, HttpBackend
 from tandem.router.config import RouterConfig
 from tandem.router.kv_index import ApproxBlockIndex
 from tandem.router.metrics import RouterMetrics
@@ -123,70 +130,126 @@ class Router:
         prompt = await asyncio.to_thread(self.reader.read, raw, chat)
         headers = filter_headers(request.headers.items(), DROP_REQUEST_HEADERS)
         tried: set[HttpBackend] = set()
-        refused: Response | None = None  # the last 5xx / 429 answer, relayed when nothing else works
+        busy: Response | None = None  # a backend's 429, relayed when no other backend answers
+        failures: list[str] = []  # attempts that failed before their first byte: two at most (one retry)
         retried = False
         while True:
             try:
                 backend = self._choose(prompt, tried)
             except NoBackendError as e:
-                return refused if refused is not None else self._reject(e)
+                return self._give_up(e, busy, failures)
             tried.add(backend)
+            if failures and not retried:  # NOTE: counted once, whatever 429s the retry skips on its way
+                retried = True
+                self.metrics.retries.inc()
             ticket = self.policy.on_dispatch(backend.state, prompt.block_hashes, prompt.num_tokens)
             self.metrics.dispatched(backend.state, len(prompt.block_hashes), ticket.matched_blocks)
             opened = await self._send(backend, path, raw, headers, ticket)
-            if opened is not None and opened.rest is not None:
+            if isinstance(opened, str):
+                failures.append(opened)
+            elif opened.rest is not None:
                 backend.health.on_response(opened.response.status_code)
                 return await self._relay(backend, opened, ticket, prompt)
-            if opened is not None:
-                refused = await self._refused(backend, opened.response, ticket)
-                if opened.response.status_code == 429:
-                    continue
-            if retried:
-                return refused if refused is not None else self._bad_gateway(backend)
-            retried = True
-            self.metrics.retries.inc()
+            elif opened.response.status_code == 429:
+                busy = self._busy(backend, opened, ticket)
+                continue
+            else:
+                failures.append(self._failed_status(backend, opened, ticket))
+            if len(failures) > 1:
+                return self._give_up(None, busy, failures)
 
     async def _send(self, backend: HttpBackend, path: str, raw: bytes, headers: list[tuple[str, str]],
-                    ticket: Ticket) -> _Opened | None:
-        """The backend's answer up to its first body chunk (none for a 429 / 5xx, read later), or None
-        after a failure before that chunk (reported: a connect error for the backend's health)."""
+                    ticket: Ticket) -> _Opened | str:
+        """The backend's answer up to its first body chunk (for a 429 / 5xx: its whole body, ``rest`` None),
+        or why there is none: a connect error (it ejects the backend), no first byte within
+        ``first_byte_timeout_s`` (a passive failure), or the backend ejected while the request waited
+        (``FirstByteWait``). A failure completes the ticket and is counted in ``errors_total``."""
         req = self.client.build_request("POST", f"{backend.url}{path}", content=raw, headers=headers)
-        upstream = None
+        upstream = wait = None
         try:
-            upstream = await self.client.send(req, stream=True)
-            if upstream.status_code >= 500 or upstream.status_code == 429:
-                return _Opened(upstream, b"", None)
-            rest = upstream.aiter_bytes()  # NOTE: decoded, so Content-Encoding is not relayed
-            return _Opened(upstream, await anext(rest, b""), rest)
-        except httpx.HTTPError as e:
+            try:
+                async with asyncio.timeout(self.config.first_byte_timeout_s or None) as deadline:
+                    wait = FirstByteWait(deadline)
+                    backend.waiting.add(wait)
+                    upstream = await self.client.send(req, stream=True)
+                    if upstream.status_code >= 500 or upstream.status_code == 429:
+                        return _Opened(upstream, await self._read_refusal(upstream), None)
+                    rest = upstream.aiter_bytes()  # NOTE: decoded, so Content-Encoding is not relayed
+                    return _Opened(upstream, await anext(rest, b""), rest)
+            finally:
+                backend.waiting.discard(wait)
+        except (httpx.HTTPError, TimeoutError) as e:
             if upstream is not None:
                 await upstream.aclose()
             self.policy.on_complete(ticket)
-            self.metrics.errors.labels(backend.url, "connect").inc()
-            backend.health.on_connect_error(f"{type(e).__name__}: {e}")
-            return None
+            return self._attempt_failed(backend, e, wait)
         except BaseException:  # NOTE: cancelled (the client left): the ticket must still complete
             self.policy.on_complete(ticket)
             if upstream is not None:
                 await upstream.aclose()
             raise
 
-    async def _refused(self, backend: HttpBackend, upstream: httpx.Response, ticket: Ticket) -> Response:
-        """Reads a 429 / 5xx answer, reports it, and keeps it to relay if nothing else works."""
+    @staticmethod
+    async def _read_refusal(upstream: httpx.Response) -> bytes:
         try:
-            body = await upstream.aread()
+            return await upstream.aread()
         except httpx.HTTPError:
-            body = b""
+            return b""
         finally:
             await upstream.aclose()
-            self.policy.on_complete(ticket)
-        status = upstream.status_code
-        if status == 429:
-            backend.mark_busy(upstream.headers.get("retry-after"))
-        else:
-            self.metrics.errors.labels(backend.url, "5xx").inc()
+
+    def _attempt_failed(self, backend: HttpBackend, e: Exception, wait: FirstByteWait | None) -> str:
+        """Reports a failure before the first byte (metrics, health); returns it for the client's error."""
+        if isinstance(e, TimeoutError) and wait is not None and wait.ejected:
+            self.metrics.errors.labels(backend.url, "ejected").inc()  # NOTE: already ejected: not a new failure
+            return f"{backend.url} was ejected while the request waited ({backend.health.last_error})"
+        if isinstance(e, TimeoutError):
+            reason = f"no response byte within {self.config.first_byte_timeout_s:g} s"
+            self.metrics.errors.labels(backend.url, "timeout").inc()
+            backend.health.on_failure(reason)
+            return f"{backend.url}: {reason}"
+        self.metrics.errors.labels(backend.url, "connect").inc()
+        backend.health.on_connect_error(f"{type(e).__name__}: {e}")
+        return f"{backend.url}: {type(e).__name__}: {e}".rstrip(": ")
+
+    def _busy(self, backend: HttpBackend, opened: _Opened, ticket: Ticket) -> Response:
+        """A backend's 429: skipped for its ``Retry-After``; kept (with a ``Retry-After``) to relay."""
+        self.policy.on_complete(ticket)
+        upstream = opened.response
+        backend.mark_busy(upstream.headers.get("retry-after"))
+        backend.health.on_response(429)
+        headers = dict(filter_headers(upstream.headers, DROP_RESPONSE_HEADERS))
+        headers.setdefault("retry-after", str(max(1, math.ceil(self.config.retry_after_s))))
+        return Response(opened.first, 429, headers=headers)
+
+    def _failed_status(self, backend: HttpBackend, opened: _Opened, ticket: Ticket) -> str:
+        """A backend's 5xx: a passive failure; returns it, with the backend's error message, for the client."""
+        self.policy.on_complete(ticket)
+        status = opened.response.status_code
+        self.metrics.errors.labels(backend.url, "5xx").inc()
         backend.health.on_response(status)
-        return Response(body, status, headers=dict(filter_headers(upstream.headers, DROP_RESPONSE_HEADERS)))
+        try:
+            message = json.loads(opened.first)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = None
+        return f"{backend.url} answered {status}" + (f" ({message[:200]})" if isinstance(message, str) else "")
+
+    def _give_up(self, e: NoBackendError | None, busy: Response | None, failures: list[str]) -> Response:
+        """The answer when no backend answered: a backend's 429 when one said so; after failures, 502 with
+        each attempt's reason (503 with ``Retry-After`` when no backend is healthy any more); else the
+        router's own 429 / 503 (``_reject``)."""
+        if busy is not None:
+            return busy
+        if not failures:
+            return self._reject(e)
+        if any(b.state.healthy for b in self.backends):
+            err = APIError(502, f"no backend answered: {'; '.join(failures)}", "bad_gateway", None,
+                           "backend_failed")
+        else:
+            err = APIError(503, f"no healthy backend left: {'; '.join(failures)}", "service_unavailable", None,
+                           "no_healthy_backend", self.config.retry_after_s)
+        self.metrics.rejected.labels(str(err.status)).inc()
+        return err.response()
 
     def _bad_gateway(self, backend: HttpBackend) -> Response:
         return APIError(502, f"the backend {backend.url} could not be reached", "bad_gateway", None,

@@ -61,6 +61,8 @@ class Scheduler(RemoteKVMixin):
             for a speculating request also reserve ``num_speculative_tokens`` lookahead slots, where the
             draft writes the K/V of its proposals.
         clock: monotonic clock (seconds) for KV lease expiry; tests inject a fake one.
+        sliding_window: tokens every layer attends back to when all layers slide (``ModelRunner.kv_window``);
+            then blocks out of the window are freed while a request runs (``KVCacheManager``). None: never.
 
     ``self.max_model_len`` is ``min(max_model_len, num_blocks * block_size)``: a request alone must
     fit in the pool, otherwise it would preempt itself forever. So a pool smaller than the context
@@ -75,13 +77,15 @@ class Scheduler(RemoteKVMixin):
         max_model_len: int,
         speculative_config: SpeculativeConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        sliding_window: int | None = None,
     ) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching, clock=clock)
+                                               cache_config.enable_prefix_caching, clock=clock,
+                                               sliding_window=sliding_window)
         self.max_model_len = min(max_model_len, num_blocks * cache_config.block_size)
         self.requests: dict[str, Request] = {}  # unfinished requests (waiting or running), by id
         self.waiting = make_waiting_queue(scheduler_config.policy)  # WAITING, PREEMPTED, WAITING_FOR_REMOTE_KV

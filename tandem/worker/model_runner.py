@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.attention import AttentionBackend, AttentionMetadata, token_positions
+from tandem.attention import AttentionBackend, AttentionMetadata
 from tandem.config import ConfigError, EngineConfig
 from tandem.kernels import registry
 from tandem.kv_cache.hashing import salted_root
@@ -299,9 +299,9 @@ class ModelRunner(RunnerKVCache):
                 raise ValueError(f"context of {c + n} tokens exceeds max_model_len {self.max_model_len}")
         meta = AttentionMetadata.build(num_computed, counts, block_ids, self.block_size)
         input_ids = torch.tensor(list(itertools.chain.from_iterable(token_ids)), dtype=torch.int64)
-        positions = token_positions(meta.num_computed, torch.tensor(counts))
-        token_prompt_lens = torch.repeat_interleave(torch.tensor(prompt_lens), torch.tensor(counts))
-        return self.model(input_ids, positions, kv_caches, meta, token_prompt_lens)
+        token_prompt_lens = torch.tensor([p for p, n in zip(prompt_lens, counts, strict=True) for _ in range(n)],
+                                         dtype=torch.int64)
+        return self.model(input_ids, meta.positions, kv_caches, meta, token_prompt_lens)
 
     def prompt_logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
         """Float32 logits ``[T, vocab]`` at every position of ``token_ids`` (for parity tests).

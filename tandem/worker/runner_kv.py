@@ -35,6 +35,17 @@ class RunnerKVCache:
         hf = self.hf_config
         return bytes_per_block(block_size, hf.num_layers, hf.num_kv_heads, hf.head_dim, self.dtype_bytes)
 
+    @property
+    def kv_window(self) -> int | None:
+        """Tokens of a request's KV any future query can still read when every layer of the target (and
+        of the draft model, which shares the block table) slides: the largest window; None when some
+        layer attends to the whole context (then no block can be freed before the request ends)."""
+        windows = [self.hf_config.kv_window]
+        draft = self.speculator.draft if self.speculator is not None else None
+        if draft is not None:
+            windows.append(draft.hf_config.kv_window)
+        return None if None in windows else max(w for w in windows if w is not None)
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate zeroed per-layer ``k_cache, v_cache [num_blocks, block_size, KV, D]`` (model dtype),
         and the draft model's cache on the same block ids.

@@ -1,5 +1,8 @@
 """`tandem router` in front of two `tandem serve` processes (stories260K), driven by the openai client."""
 
+import os
+import signal
+import threading
 import time
 
 import httpx
@@ -104,6 +107,65 @@ def test_429_with_retry_after_when_both_backends_are_full(cluster):
     while any(b["outstanding_requests"] for b in httpx.get(f"{router.url}/backends").json()["backends"]):
         assert time.monotonic() < deadline, "the closed streams were never completed at the router"
         time.sleep(0.05)
+
+
+def _wait_backends(router, check, what: str, timeout_s: float = 30.0) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while not check(info := httpx.get(f"{router.url}/backends", timeout=5.0).json()["backends"]):
+        assert time.monotonic() < deadline, f"{what}: {info}\n{router.log()}"
+        time.sleep(0.05)
+    return info
+
+
+def test_a_request_held_by_a_sigstopped_backend_completes_on_the_other_once_it_is_ejected(cluster):
+    """SIGSTOP: the backend accepts connections and never answers. The router's /health probe times
+    out (5 s) and ejects it; the request waiting there is retried at once on the other backend
+    instead of waiting out --request-timeout (600 s; the client here gives up after 60 s)."""
+    router, backends = cluster
+    client = _client(router.url)
+    held = client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, max_tokens=400,
+                                          extra_body={"ignore_eos": True})
+    result: dict = {}
+    stopped = None
+    try:
+        next(iter(held))  # dispatched: that backend is at its cap of one, the next request goes to the other
+        info = _wait_backends(router, lambda i: sum(b["outstanding_requests"] for b in i) == 1, "held stream")
+        live = backends[[b["outstanding_requests"] for b in info].index(1)]
+        stopped = backends[1 - backends.index(live)]
+        before = metric_samples(router.url)
+        os.kill(stopped.proc.pid, signal.SIGSTOP)
+
+        def ask() -> None:
+            t0 = time.monotonic()
+            try:
+                out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0.0)
+                result["tokens"] = out.usage.completion_tokens
+            except Exception as e:  # noqa: BLE001 - reported by the asserts below
+                result["error"] = repr(e)
+            result["elapsed_s"] = time.monotonic() - t0
+
+        asking = threading.Thread(target=ask)
+        asking.start()
+        _wait_backends(router, lambda i: i[backends.index(stopped)]["outstanding_requests"] == 1, "sent to it")
+        held.close()
+        _wait_backends(router, lambda i: i[backends.index(live)]["outstanding_requests"] == 0, "held closed")
+        asking.join(60.0)
+        assert result.get("tokens") == 4, (result, router.log())
+        assert result["elapsed_s"] < 12.0  # the 5 s probe timeout, then the retry; not a 60 s client timeout
+        after = metric_samples(router.url)
+        delta = {k: after[k] - before.get(k, 0.0) for k in after if k[0].endswith("_total")}
+        url = (("backend", stopped.url),)
+        assert delta[("tandem_router:errors_total", (*url, ("kind", "ejected")))] == 1
+        assert delta[("tandem_router:retries_total", ())] == 1
+        assert delta[("tandem_router:ejections_total", url)] == 1
+        assert delta[("tandem_router:requests_total", url)] == 1
+        assert delta[("tandem_router:requests_total", (("backend", live.url),))] == 1
+        assert delta[("tandem_router:errors_total", (*url, ("kind", "probe")))] >= 1
+    finally:
+        held.close()
+        if stopped is not None:
+            os.kill(stopped.proc.pid, signal.SIGCONT)
+    _wait_backends(router, lambda i: [b["state"] for b in i] == ["healthy"] * 2, "healthy again after SIGCONT")
 
 
 def test_stopped_backend_is_ejected_and_no_request_fails(cluster):

@@ -23,6 +23,7 @@ NO_WAIT = ("--backend", "http://a:1", "--backend-startup-timeout", "0")  # a fai
     (["router", *NO_WAIT, "--eject-seconds", "1", "--max-eject-seconds", "inf"],
      "max_eject_s must be a finite number > 0, got inf"),
     (["router", *NO_WAIT, "--port", "99999"], "--port must be in 0-65535, got 99999"),
+    (["router", *NO_WAIT, "--first-byte-timeout", "-1"], "--first-byte-timeout must be a finite number >= 0, got -1.0"),
     # a bad tokenizer or chat template: one line before the server starts, not a failed lifespan
     (["router", *NO_WAIT, "--tokenizer", "/nonexistent/tok"], "cannot load the tokenizer"),
     (["router", "--backend", "http://a:1", "--policy", "round-robin", "--chat-template", "/nonexistent.jinja"],
@@ -102,3 +103,19 @@ def test_config_normalises_urls_and_checks_endpoints():
         RouterConfig(backends=("http://a:1",), kv_events=(("http://a:1", "a:5557"),))
     with pytest.raises(ConfigError, match="unknown routing policy 'fastest'"):
         RouterConfig(backends=("http://a:1",), policy="fastest")
+
+
+def test_first_byte_timeout_flag_maps_onto_the_config_and_zero_turns_it_off():
+    import argparse
+
+    from tandem.router.cli import add_router_parser, router_config_from_args
+
+    parser = argparse.ArgumentParser()
+    router = add_router_parser(parser.add_subparsers())
+    parse = parser.parse_args
+    assert router_config_from_args(parse(["router", "--backend", "http://a:1"])).first_byte_timeout_s == 0.0
+    config = router_config_from_args(parse(["router", "--backend", "http://a:1", "--first-byte-timeout", "1.5"]))
+    assert config.first_byte_timeout_s == 1.5
+    assert RouterConfig(backends=("http://a:1",), first_byte_timeout_s=0.0).first_byte_timeout_s == 0.0
+    text = " ".join(router.format_help().split())
+    assert "--first-byte-timeout SECONDS" in text and "is retried once on another healthy backend" in text

@@ -73,18 +73,29 @@ def test_a_backend_that_stays_down_is_ejected_for_longer_and_reports_the_time_le
     assert (h.state, h.backoff_s) == (HealthState.HEALTHY, 2.0)
 
 
-def test_5xx_ejects_after_the_threshold_in_a_row_only():
+def test_5xx_and_first_byte_timeouts_eject_after_the_threshold_in_a_row_only():
     b, h, _, _ = _health(failure_threshold=3)
     h.on_response(500)
     h.on_response(502)
     h.on_response(400)  # the client's error: the backend is alive, the count restarts
     h.on_response(429)
     h.on_response(500)
-    h.on_response(500)
-    assert h.state is HealthState.HEALTHY and h.consecutive_5xx == 2
+    h.on_failure("no response byte within 2 s")
+    assert h.state is HealthState.HEALTHY and h.consecutive_failures == 2
     h.on_response(503)
     assert h.state is HealthState.EJECTED and not b.healthy and h.ejections == 1
-    assert h.describe()["last_error"] == "3 consecutive 503 responses"
+    assert h.describe()["last_error"] == "3 consecutive failures, the last: answered 503"
+    assert h.describe()["consecutive_failures"] == 0
+
+
+def test_one_passive_failure_ejects_a_half_open_backend():
+    b, h, clock, _ = _health(failure_threshold=3, eject_s=2.0)
+    h.eject("down")
+    clock.t = h.ejected_until
+    h.on_probe(True)
+    assert h.state is HealthState.HALF_OPEN
+    h.on_failure("no response byte within 2 s")
+    assert (h.state, h.ejections, h.backoff_s) == (HealthState.EJECTED, 2, 4.0)
 
 
 def test_failed_active_check_ejects_a_healthy_backend():
