@@ -66,6 +66,14 @@ def _load_tokenizer(model_dir: Path):  # noqa: ANN202 - a transformers tokenizer
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+def take_rows(x: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """``x[index]`` for ``x [T, ...]``: a view when ``index`` is one run of consecutive rows (a decode step's
+    rows are), else ``index_select``; the same values as advanced indexing without its set-up cost."""
+    if index and index[-1] - index[0] == len(index) - 1 and index == list(range(index[0], index[-1] + 1)):
+        return x[index[0] : index[-1] + 1]
+    return x.index_select(0, torch.tensor(index, dtype=torch.int64))
+
+
 class ModelRunner(RunnerKVCache):
     """Loads a checkpoint and runs steps over a paged KV cache.
 
@@ -161,7 +169,7 @@ class ModelRunner(RunnerKVCache):
             if sample_rows:
                 # NOTE: model-dtype logits: the sampler copies to float32 only the rows that need it,
                 # and greedy rows argmax them as they are.
-                logits = self.model.compute_logits(hidden[[ends[i] - 1 for i in sample_rows]], dtype=None)
+                logits = self.model.compute_logits(take_rows(hidden, [ends[i] - 1 for i in sample_rows]), dtype=None)
                 sampled = self.sampler(logits, states)
                 for i, state, token, logprobs in zip(
                     sample_rows, states, sampled.token_ids, sampled.logprobs, strict=True
