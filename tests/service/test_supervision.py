@@ -47,21 +47,19 @@ def first_success_after(server: Server, t0: float, timeout_s: float = 60.0) -> t
 
 
 @pytest.fixture(scope="module")
-def servers(stories_dir, tmp_path_factory):
-    """Both servers of the module, started together so that their start-ups overlap: the supervised one and
-    a plain one whose front end the last test kills."""
-    started = {
-        "supervised": Server(stories_dir, tmp_path_factory.mktemp("supervised") / "server.log", "--max-num-seqs",
-                             "4", "--core-restart-limit", "2", "--core-restart-window", "600"),
-        "plain": Server(stories_dir, tmp_path_factory.mktemp("plain") / "server.log"),
-    }
+def servers(stories_dir, tmp_path_factory, server_pool):
+    """Both servers of the module, started together when neither runs yet: the supervised one (4 running,
+    restart limit 2 in 600 s: the "busy" server of conftest.py, after test_load.py; retired at the end, its core
+    is gone) and a plain one whose front end the last test kills."""
+    started = {"supervised": server_pool.start("busy"),
+               "plain": Server(stories_dir, tmp_path_factory.mktemp("plain") / "server.log")}
     try:
         for s in started.values():
             s.wait_healthy(300.0)  # NOTE: two at once on a loaded 2-core machine
         yield started
     finally:
-        for s in started.values():
-            s.stop()
+        server_pool.retire("busy")
+        started["plain"].stop()
 
 
 @pytest.fixture(scope="module")
