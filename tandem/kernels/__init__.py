@@ -26,7 +26,7 @@ from tandem.kernels.build import load_extension, selected_variant, unsupported_r
 
 __all__ = [
     "available", "backend", "dequantize", "linear_bf16", "moe_bf16", "moe_int4", "moe_int8", "moe_q8_0", "linear_int4",
-    "moe_kquant", "linear_int8", "linear_max_tokens", "paged_attention", "rms_norm", "rotary", "silu_and_mul",
+    "moe_kquant", "linear_int8", "linear_max_tokens", "paged_attention", "rms_norm", "rotary", "silu_and_mul", "argmax",
     "supports_window_softcap", "unavailable_reason",
 ]
 
@@ -275,6 +275,13 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[:, :d]) * x[:, d:]`` for ``x [R, 2d]`` -> ``[R, d]``."""
     return load_extension().silu_and_mul(x)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``torch.max(x, dim=-1).indices`` of ``x [R, V]`` bf16 / float32 with contiguous rows -> ``[R]`` int64: the
+    first index of each row's maximum, or of its first NaN (the avx2 build's kernel, routed there from
+    avx512_bf16; callers check ``registry.use("argmax")``)."""
+    return _routed("argmax")(x)
 
 
 __all__ += ["dequantize_q4_1", "dequantize_q8_0", "linear_q4_1", "linear_q8_0"]

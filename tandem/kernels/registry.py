@@ -44,6 +44,8 @@ _LINEAR_OPS = ("linear_bf16", "linear_int8", "linear_int4", "linear_q8_0", "line
 _AVX2_ONLY_LINEAR_OPS = ("linear_q5_0", "linear_q4_k", "linear_q6_k")
 # bf16 experts, kernels/csrc/avx2/moe.cpp; int8 / int4 / q8_0 experts, moe_quant.cpp; Q4_K / Q6_K, moe_kquant.cpp
 _AVX2_ONLY_MOE_OPS = ("moe_bf16", "moe_int8", "moe_int4", "moe_q8_0", "moe_kquant")
+# the greedy sampler's argmax (sample/ops.greedy_sample), kernels/csrc/avx2/argmax.cpp
+_AVX2_ONLY_OPS = ("argmax",)
 _DEQUANT_OPS = ("dequantize", "dequantize_q8_0", "dequantize_q4_1")
 _ELEMENTWISE_OPS = ("rms_norm", "fused_add_rms_norm", "rotary", "rotary_", "silu_and_mul")
 _THREAD_OPS = ("bind_omp_threads", "omp_thread_ids")
@@ -66,10 +68,11 @@ LIMITS: dict[str, dict[str, int | None]] = {
     **{op: _limits(None, _NONE) for op in _DEQUANT_OPS},
     "paged_attention": _limits(16, None),
     "decoder_layer": _limits(16, None),
-    **{op: _limits(_NONE, None) for op in _AVX2_ONLY_LINEAR_OPS + _AVX2_ONLY_MOE_OPS},
+    **{op: _limits(_NONE, None) for op in _AVX2_ONLY_LINEAR_OPS + _AVX2_ONLY_MOE_OPS + _AVX2_ONLY_OPS},
 }
 # op -> {selected variant: the variant whose kernel runs instead}, for operators the selected one lacks.
-ROUTES: dict[str, dict[str, str]] = {op: {"avx512_bf16": "avx2"} for op in _AVX2_ONLY_LINEAR_OPS + _AVX2_ONLY_MOE_OPS}
+ROUTES: dict[str, dict[str, str]] = {op: {"avx512_bf16": "avx2"}
+                                     for op in _AVX2_ONLY_LINEAR_OPS + _AVX2_ONLY_MOE_OPS + _AVX2_ONLY_OPS}
 
 # What each path is, for the start-up line, /metrics and /version.
 DESCRIPTIONS = {"avx512_bf16": "AVX-512 BF16 + VNNI", "avx2": "AVX2+FMA+F16C", "torch": "stock PyTorch ops"}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.attention import AttentionMetadata, token_positions
+from tandem.attention import AttentionMetadata
 from tandem.config import ConfigError
 from tandem.kv_cache.storage import bytes_per_block, kv_cache_shape
 from tandem.models.hf_config import HFModelConfig, load_hf_config
@@ -104,8 +104,7 @@ class DraftModel:
         counts = [len(t) for t in token_ids]
         meta = AttentionMetadata.build(num_computed, counts, block_ids, self.block_size)
         input_ids = torch.tensor(list(itertools.chain.from_iterable(token_ids)), dtype=torch.int64)
-        positions = token_positions(meta.num_computed, torch.tensor(counts))
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
         starts = [0, *itertools.accumulate(counts)]
         index = [starts[r] + i for r, wanted in enumerate(rows_positions) for i in wanted]
         if index:

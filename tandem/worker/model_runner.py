@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.attention import AttentionBackend, AttentionMetadata, token_positions
+from tandem.attention import AttentionBackend, AttentionMetadata
 from tandem.config import ConfigError, EngineConfig
 from tandem.kernels import registry
 from tandem.kv_cache.hashing import salted_root
@@ -64,6 +64,14 @@ def _load_tokenizer(model_dir: Path):  # noqa: ANN202 - a transformers tokenizer
     from transformers import AutoTokenizer  # NOTE: here: transformers takes seconds to import
 
     return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def take_rows(x: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """``x[index]`` for ``x [T, ...]``: a view when ``index`` is one run of consecutive rows (a decode step's
+    rows are), else ``index_select``; the same values as advanced indexing without its set-up cost."""
+    if index and index[-1] - index[0] == len(index) - 1 and index == list(range(index[0], index[-1] + 1)):
+        return x[index[0] : index[-1] + 1]
+    return x.index_select(0, torch.tensor(index, dtype=torch.int64))
 
 
 class ModelRunner(RunnerKVCache):
@@ -161,7 +169,7 @@ class ModelRunner(RunnerKVCache):
             if sample_rows:
                 # NOTE: model-dtype logits: the sampler copies to float32 only the rows that need it,
                 # and greedy rows argmax them as they are.
-                logits = self.model.compute_logits(hidden[[ends[i] - 1 for i in sample_rows]], dtype=None)
+                logits = self.model.compute_logits(take_rows(hidden, [ends[i] - 1 for i in sample_rows]), dtype=None)
                 sampled = self.sampler(logits, states)
                 for i, state, token, logprobs in zip(
                     sample_rows, states, sampled.token_ids, sampled.logprobs, strict=True
@@ -299,9 +307,9 @@ class ModelRunner(RunnerKVCache):
                 raise ValueError(f"context of {c + n} tokens exceeds max_model_len {self.max_model_len}")
         meta = AttentionMetadata.build(num_computed, counts, block_ids, self.block_size)
         input_ids = torch.tensor(list(itertools.chain.from_iterable(token_ids)), dtype=torch.int64)
-        positions = token_positions(meta.num_computed, torch.tensor(counts))
-        token_prompt_lens = torch.repeat_interleave(torch.tensor(prompt_lens), torch.tensor(counts))
-        return self.model(input_ids, positions, kv_caches, meta, token_prompt_lens)
+        token_prompt_lens = torch.tensor([p for p, n in zip(prompt_lens, counts, strict=True) for _ in range(n)],
+                                         dtype=torch.int64)
+        return self.model(input_ids, meta.positions, kv_caches, meta, token_prompt_lens)
 
     def prompt_logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
         """Float32 logits ``[T, vocab]`` at every position of ``token_ids`` (for parity tests).

@@ -17,6 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "rotate-half rotary embedding of [T, H, D]");
   m.def("rotary_", &rotary_, "in-place rotate-half rotary embedding of [T, H, D] (any token stride)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]");
+  m.def("argmax", &argmax, "torch.max(x, -1).indices of x [R, V] bf16 / fp32 (first maximum, NaN first)");
   m.def("moe_bf16", &moe_bf16, "fused mixture-of-experts SwiGLU feed-forward, bf16 experts [E, 2I, H] / [E, H, I]",
         py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("weights"), py::arg("ids"));
   m.def("moe_int8", &moe_int8, "fused MoE, int8 per-channel experts (codes [E, N, K], fp32 scales [E, N])",

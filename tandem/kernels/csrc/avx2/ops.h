@@ -24,6 +24,8 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, do
 at::Tensor rotary(at::Tensor x, at::Tensor cos, at::Tensor sin);
 void rotary_(at::Tensor x, at::Tensor cos, at::Tensor sin);
 at::Tensor silu_and_mul(at::Tensor x);
+// argmax.cpp: torch.max(x, -1).indices of x [R, V]
+at::Tensor argmax(at::Tensor x);
 
 // linear_bf16.cpp, linear_quant.cpp
 at::Tensor linear_bf16(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
