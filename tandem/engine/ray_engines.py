@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 RAY_MAX_RESTARTS = 10  # Ray restarts a dead engine actor this many times (then the server answers 503)
 PLACEMENT_TIMEOUT_S = 120.0  # the cluster must find CPUs for every bundle within this
+JOIN_CONNECT_TIMEOUT_S = 10.0  # a head address must accept a TCP connection within this
 LOAD_TIMEOUT_S = 600.0  # every actor must have loaded its model within this
 
 
@@ -115,6 +116,20 @@ AUTH_HINT = ("a cluster made by `ray start --head` uses token authentication by 
              "or start the head with RAY_AUTH_MODE=disabled")
 
 
+def _unreachable(address: str | None, timeout_s: float = JOIN_CONNECT_TIMEOUT_S) -> str | None:
+    """Why a plain ``HOST:PORT`` head address refuses a TCP connection (None: it accepts one, or the
+    address is another form: None, ``auto``, ``ray://...``). Ray's own ``init`` retries such an address
+    without end. No state changes."""
+    host, sep, port = (address or "").rpartition(":")
+    if not sep or not port.isdigit() or not host or "/" in host:
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def _join(ray: Any, address: str | None) -> None:
     """``ray.init`` at ``address`` (None: ``$RAY_ADDRESS``, a running local cluster, else a new one).
 
@@ -122,6 +137,10 @@ def _join(ray: Any, address: str | None) -> None:
         ValueError: the cluster cannot be joined (Ray's reason; with how to pass its token when this
             process does not send one, the most common cause with a CLI-made cluster).
     """
+    unreachable = _unreachable(address)
+    if unreachable is not None:
+        raise ValueError(f"cannot join the Ray cluster at {address}: nothing answers there ({unreachable}); start "
+                         "its head with `ray start --head --port PORT` or pass the address it printed")
     try:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     except (ConnectionError, RuntimeError) as e:
@@ -153,7 +172,7 @@ class RayEngines:
     """Places ``parallel.data_parallel_size`` engine actors on a Ray cluster and connects to them.
 
     Args:
-        model_dir: the model folder, at the same path on every node.
+        model_dir: the model folder, at the same path on every node (a relative one is made absolute here).
         config: each engine's config (threads: ``num_threads``, default the cluster's CPUs / N).
         parallel: ``data_parallel_size`` and ``ray_address`` (None: ``ray.init``'s default).
 
@@ -169,7 +188,7 @@ class RayEngines:
         except ImportError:
             raise ValueError("--data-parallel-backend ray needs Ray: pip install 'tandem[ray]'") from None
         self.ray = ray
-        self.model_dir = model_dir
+        self.model_dir = Path(model_dir).absolute()  # NOTE: actors run in another working directory
         self.dp = parallel.data_parallel_size
         self.log_level = log_level
         self.secret = secrets.token_hex(32).encode()  # NOTE: per server; only its actors learn it

@@ -203,9 +203,14 @@ class RouterService:
 
     async def _rediscover(self, b: HttpBackend) -> None:
         """A backend back from an ejection, or up after the router started: its ``/load`` again, and
-        a new KV event subscription when the endpoint moved (its cached blocks start from its snapshot,
-        or empty). Changes: the backend's index and subscriber."""
-        if await b.fetch_load(self.client) is None or not b.events_moved():
+        a new index (from its snapshot, or empty) with a new KV event subscription when the endpoint
+        moved or went, or when it is another server process (a new ``instance_id``: a restarted one
+        holds none of the blocks indexed). Changes: the backend's index and subscriber."""
+        before = (b.load or {}).get("instance_id")
+        if await b.fetch_load(self.client) is None:
+            return
+        restarted = before is not None and b.load.get("instance_id") != before
+        if not (restarted or b.events_moved()):
             return
         if b.subscriber is not None:
             await b.subscriber.close()

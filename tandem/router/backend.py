@@ -130,12 +130,13 @@ class HttpBackend:
 
     def events_moved(self) -> bool:
         """True when ``load`` names another KV event endpoint than the one subscribed (a restarted
-        engine bound a new port, or one discovered late). No state changes."""
+        engine bound a new port, or one discovered late), or none while one is subscribed (it
+        publishes no more). No state changes."""
         if dict(self.config.kv_events).get(self.url) is not None:
             return False
         found = endpoint_from_load(self.load or {}, self.url)
         current = self.subscriber.endpoint if self.subscriber is not None else None
-        return found is not None and found[0] != current
+        return (found[0] if found is not None else None) != current
 
     async def probe(self, client: httpx.AsyncClient) -> tuple[bool, str]:
         """One active ``GET /health``: (ok, reason). No state changes (the caller reports to ``health``)."""

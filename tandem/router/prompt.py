@@ -8,7 +8,11 @@ special tokens (``engine/processor.py``), so the chained block hashes
 (``kv_cache.hashing.hash_token_blocks``) equal the engine's prefix-cache keys.
 
 Without a tokenizer (round-robin / least-load only) the prompt has no hashes and its length is
-estimated at 4 characters per token.
+estimated at 4 characters per token. A text longer than ``MAX_ROUTED_CHARS`` is routed on its first
+``MAX_ROUTED_CHARS`` characters (their tokens minus the last block's worth, which the cut may have
+changed; the rest estimated at 4 characters per token): tokenizing a multi-megabyte prompt took
+the router's worker threads tens of seconds while the backend rejects it at once, and a shared
+prefix sits at the start.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from tandem.kv_cache.hashing import hash_token_blocks
 
 CHARS_PER_TOKEN = 4  # the estimate without a tokenizer
 DEFAULT_MAX_TOKENS = 16  # OpenAI's completions default, charged when a body names none
+MAX_ROUTED_CHARS = 1 << 18  # characters of a prompt text the router tokenizes (about 64k tokens)
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,14 @@ class PromptReader:
         if ids is None:
             n = len(text) // CHARS_PER_TOKEN if text else 0
             return RoutedPrompt([], n, n + _max_tokens(body), stream)
-        return RoutedPrompt(hash_token_blocks(ids, self.block_size), len(ids), len(ids) + _max_tokens(body), stream)
+        n = len(ids) + max(0, len(text) - MAX_ROUTED_CHARS) // CHARS_PER_TOKEN
+        return RoutedPrompt(hash_token_blocks(ids, self.block_size), n, n + _max_tokens(body), stream)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text``, or of its first ``MAX_ROUTED_CHARS`` characters minus the last
+        ``block_size`` tokens when it is longer (see the module docstring)."""
+        ids = list(self.tokenizer(text[:MAX_ROUTED_CHARS], add_special_tokens=add_special_tokens)["input_ids"])
+        return ids if len(text) <= MAX_ROUTED_CHARS else ids[:max(0, len(ids) - self.block_size)]
 
     def _prompt(self, body: dict[str, Any], chat: bool) -> tuple[list[int] | None, str]:
         """(token ids or None, text) of the prompt."""
@@ -100,7 +112,7 @@ class PromptReader:
                                                           tokenize=False, add_generation_prompt=True)
             except Exception:  # NOTE: Jinja raises many types; the backend reports the user's error.
                 return None, json.dumps(messages)
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), text
+            return self._encode(text, False), text
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and (isinstance(prompt[0], str) or _is_ids(prompt[0])):
             prompt = prompt[0]  # a batch goes to one backend: route on its first prompt
@@ -110,4 +122,4 @@ class PromptReader:
             return None, ""
         if self.tokenizer is None:
             return None, prompt
-        return list(self.tokenizer(prompt)["input_ids"]), prompt
+        return self._encode(prompt, True), prompt

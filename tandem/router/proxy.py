@@ -223,7 +223,8 @@ class Router:
         return Response(opened.first, 429, headers=headers)
 
     def _failed_status(self, backend: HttpBackend, opened: _Opened, ticket: Ticket) -> str:
-        """A backend's 5xx: a passive failure; returns it, with the backend's error message, for the client."""
+        """A backend's 5xx: a passive failure; returns ``"URL answered STATUS"`` for the client. The backend's
+        own error message is logged, never relayed (a 5xx body may carry a server's internals)."""
         self.policy.on_complete(ticket)
         status = opened.response.status_code
         self.metrics.errors.labels(backend.url, "5xx").inc()
@@ -232,7 +233,9 @@ class Router:
             message = json.loads(opened.first)["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = None
-        return f"{backend.url} answered {status}" + (f" ({message[:200]})" if isinstance(message, str) else "")
+        if isinstance(message, str):
+            logger.warning("backend %s answered %d: %s", backend.url, status, message[:200])
+        return f"{backend.url} answered {status}"
 
     def _give_up(self, e: NoBackendError | None, busy: Response | None, failures: list[str]) -> Response:
         """The answer when no backend answered: a backend's 429 when one said so; after failures, 502 with

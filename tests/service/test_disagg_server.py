@@ -27,7 +27,24 @@ def kv_config(role: str, port: int, **extra: object) -> str:
 
 
 @pytest.fixture(scope="module")
-def pd(stories_dir, tmp_path_factory):
+def disaggregate(stories_dir, tmp_path_factory):
+    """`tandem serve --disaggregate` for the last test, started (not yet healthy) before ``pd``'s servers so
+    that its start-up overlaps theirs and the tests before it: (process, url, log path)."""
+    log = tmp_path_factory.mktemp("disaggregate") / "disaggregate.log"
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve", "--disaggregate", "--model", str(stories_dir),
+                             "--dtype", "float32", "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=open(log, "w"))  # noqa: SIM115
+    try:
+        yield proc, f"http://127.0.0.1:{port}", log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def pd(stories_dir, tmp_path_factory, disaggregate):
     logs = tmp_path_factory.mktemp("pd")
     prefill = Server(stories_dir, logs / "prefill.log", "--kv-transfer-config",
                      kv_config("kv_producer", free_port(), lease_ttl_s=3.0))
@@ -41,19 +58,28 @@ def pd(stories_dir, tmp_path_factory):
         prefill.wait_healthy(600)  # NOTE: three processes importing at once on a loaded shared machine
         decode.wait_healthy(600)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_health(url, router)
+        wait_health(disaggregate[1], disaggregate[0])  # NOTE: so that its start-up does not load the tests below
         yield prefill, decode, url
     finally:
         router.terminate()
         router.wait(10)
         prefill.stop()
         decode.stop()
+
+
+def wait_health(url: str, proc: subprocess.Popen, timeout_s: float = 600.0) -> bool:
+    """Polls ``url``/health until it answers 200 (True), ``proc`` exits or ``timeout_s`` passes (False).
+    NOTE: 600 s: several processes import at once on a loaded shared machine."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return False
 
 
 def colocated(decode: Server, prompt: str) -> str:
@@ -274,24 +300,14 @@ def test_prefill_server_killed_mid_transfer_gives_a_clean_503_and_frees_the_bloc
     assert load["kv_cache_usage"] == 0 and load["running"] == 0 and load["waiting"] == 0, load
 
 
-def test_serve_disaggregate_on_one_machine(pd, stories_dir, tmp_path):
+def test_serve_disaggregate_on_one_machine(pd, disaggregate):
     _, decode, _ = pd
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "serve", "--disaggregate", "--model", str(stories_dir),
-                             "--dtype", "float32", "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=open(tmp_path / "disaggregate.log", "w"))  # noqa: SIM115
-    url = f"http://127.0.0.1:{port}"
+    proc, url, log = disaggregate
     try:
-        deadline = time.monotonic() + 600  # NOTE: two servers importing at once on a loaded shared machine
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
+        wait_health(url, proc)
         prompt = "A small red bird sat on the branch and sang a happy song for the children below"
         answer = httpx.post(url + "/v1/completions", json={"prompt": prompt, **GREEDY}, timeout=60)
-        assert answer.status_code == 200, (tmp_path / "disaggregate.log").read_text()
+        assert answer.status_code == 200, log.read_text()
         assert answer.json()["kv_transfer_params"]["remote_prefill"] == "pulled"
         assert answer.json()["choices"][0]["text"] == colocated(decode, prompt)
     finally:

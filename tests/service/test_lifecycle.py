@@ -27,15 +27,26 @@ ABORTED = re.compile(r"finished request cmpl-\w+: prompt_tokens=5 output_tokens=
 
 
 @pytest.fixture(scope="module")
-def server(stories_dir, tmp_path_factory):
-    """One running sequence at a time and one waiting slot: the third concurrent request gets 429."""
-    s = Server(stories_dir, tmp_path_factory.mktemp("small") / "server.log", "--max-num-seqs", "1",
-               "--max-queue-len", "1", "--core-restart-limit", "1")
+def servers(stories_dir, tmp_path_factory):
+    """The module's three servers, started together so that their start-ups overlap: ``"small"`` (one running
+    sequence at a time and one waiting slot: the third concurrent request gets 429), and for SIGTERM a 20 s
+    drain (``"20"``, in a process group of its own) and a 0 s drain (``"0"``)."""
+    started = {"small": Server(stories_dir, tmp_path_factory.mktemp("small") / "server.log", "--max-num-seqs", "1",
+                               "--max-queue-len", "1", "--core-restart-limit", "1")}
+    started |= {timeout: Server(stories_dir, tmp_path_factory.mktemp(f"sigterm{timeout}") / "server.log",
+                                "--shutdown-timeout", timeout, new_session=timeout == "20") for timeout in ("20", "0")}
     try:
-        s.wait_healthy()
-        yield s
+        for s in started.values():
+            s.wait_healthy(300.0)  # NOTE: three at once on a loaded 2-core machine
+        yield started
     finally:
-        s.stop()
+        for s in started.values():
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers["small"]
 
 
 def completion(server, body, timeout=60.0):
@@ -120,18 +131,8 @@ def test_core_death_turns_everything_503(server):
 
 
 @pytest.fixture(scope="module")
-def sigterm_servers(stories_dir, tmp_path_factory):
-    """Two servers started together (to halve the wait): a 20 s drain, in a process group of its own, and a
-    0 s drain."""
-    servers = {timeout: Server(stories_dir, tmp_path_factory.mktemp(f"sigterm{timeout}") / "server.log",
-                               "--shutdown-timeout", timeout, new_session=timeout == "20") for timeout in ("20", "0")}
-    try:
-        for s in servers.values():
-            s.wait_healthy()
-        yield servers
-    finally:
-        for s in servers.values():
-            s.stop()
+def sigterm_servers(servers):
+    return {timeout: servers[timeout] for timeout in ("20", "0")}
 
 
 def _stream_then_sigterm(s: Server, max_tokens: int, group: bool = False) -> tuple[dict, list[str]]:

@@ -10,21 +10,19 @@ import time
 
 import httpx
 import pytest
-from live_server import Server, wait_idle
+from live_server import wait_idle
 
 QUEUE_FULL = {"error": {"message": "the waiting queue is full (8 requests); retry later", "type": "rate_limit_error",
                         "param": None, "code": "queue_full"}}
 
 
 @pytest.fixture(scope="module")
-def server(stories_dir, tmp_path_factory):
-    s = Server(stories_dir, tmp_path_factory.mktemp("load") / "server.log", "--max-queue-len", "8",
-               "--max-num-seqs", "4", "--instance-id", "test-instance")
-    try:
-        s.wait_healthy()
-        yield s
-    finally:
-        s.stop()
+def server(server_pool):
+    """Queue bound 8, 4 running, instance id ``test-instance``: the "busy" server of conftest.py, which
+    test_supervision.py uses next (its restart flags change nothing here)."""
+    s = server_pool.start("busy")
+    s.wait_healthy(300.0)
+    return s
 
 
 def test_300_concurrent_requests_get_only_200_or_429(server):

@@ -47,14 +47,24 @@ def first_success_after(server: Server, t0: float, timeout_s: float = 60.0) -> t
 
 
 @pytest.fixture(scope="module")
-def server(stories_dir, tmp_path_factory):
-    s = Server(stories_dir, tmp_path_factory.mktemp("supervised") / "server.log", "--max-num-seqs", "4",
-               "--core-restart-limit", "2", "--core-restart-window", "600")
+def servers(stories_dir, tmp_path_factory, server_pool):
+    """Both servers of the module, started together when neither runs yet: the supervised one (4 running,
+    restart limit 2 in 600 s: the "busy" server of conftest.py, after test_load.py; retired at the end, its core
+    is gone) and a plain one whose front end the last test kills."""
+    started = {"supervised": server_pool.start("busy"),
+               "plain": Server(stories_dir, tmp_path_factory.mktemp("plain") / "server.log")}
     try:
-        s.wait_healthy()
-        yield s
+        for s in started.values():
+            s.wait_healthy(300.0)  # NOTE: two at once on a loaded 2-core machine
+        yield started
     finally:
-        s.stop()
+        server_pool.retire("busy")
+        started["plain"].stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers["supervised"]
 
 
 def test_killed_core_ends_open_streams_then_restarts(server):
@@ -104,22 +114,18 @@ def test_crash_loop_stops_restarting_for_good(server):
         server.core_process()
 
 
-def test_a_killed_front_end_takes_its_fork_server_and_engine_core_with_it(stories_dir, tmp_path):
+def test_a_killed_front_end_takes_its_fork_server_and_engine_core_with_it(servers):
     """``kill -9`` of ``tandem serve`` leaves no orphan: the fork server sees its front end gone and
     exits, the core, whose parent that was, leaves its loop, and the resource tracker follows (the
     fork server and core used to run on, 384 MB)."""
     import psutil
 
-    s = Server(stories_dir, tmp_path / "server.log")
-    try:
-        s.wait_healthy()
-        core = s.core_process()
-        family = psutil.Process(s.proc.pid).children(recursive=True)  # fork server, core, resource tracker
-        forkservers = [p for p in family if "forkserver" in " ".join(p.cmdline()) and p.pid != core.pid]
-        assert len(forkservers) == 1 and core.ppid() == forkservers[0].pid and core in family
-        s.proc.kill()
-        s.proc.wait(timeout=10)
-        _, alive = psutil.wait_procs(family, timeout=60)
-        assert not alive, [(p.pid, p.cmdline()[:3]) for p in alive]
-    finally:
-        s.stop()
+    s = servers["plain"]
+    core = s.core_process()
+    family = psutil.Process(s.proc.pid).children(recursive=True)  # fork server, core, resource tracker
+    forkservers = [p for p in family if "forkserver" in " ".join(p.cmdline()) and p.pid != core.pid]
+    assert len(forkservers) == 1 and core.ppid() == forkservers[0].pid and core in family
+    s.proc.kill()
+    s.proc.wait(timeout=10)
+    _, alive = psutil.wait_procs(family, timeout=60)
+    assert not alive, [(p.pid, p.cmdline()[:3]) for p in alive]

@@ -14,7 +14,7 @@ from tandem.kv_cache.hashing import hash_token_blocks
 from tandem.router.app import RouterService, build_app
 from tandem.router.config import RouterConfig
 from tandem.router.health import HealthState
-from tandem.router.kv_index import EventBlockIndex
+from tandem.router.kv_index import ApproxBlockIndex, EventBlockIndex
 from tandem.router.kv_subscriber import endpoint_from_load, reachable_endpoint
 
 pytestmark = pytest.mark.anyio
@@ -124,15 +124,16 @@ async def test_bodies_and_headers_pass_through_and_a_connect_error_is_retried_on
     await _stop(service, client)
 
 
-async def test_5xx_is_retried_once_then_the_router_answers_502_naming_both():
+async def test_5xx_is_retried_once_then_the_router_answers_502_naming_both(caplog):
     fakes = Fakes()
     fakes.script = {u: (lambda r, u=u: httpx.Response(500, json={"error": {"message": f"boom {u}"}}))
                     for u in (A, B, C)}
     service, client = await _start(fakes, A, B, C, policy="round-robin")
     r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 502 and r.json() == {"error": {
-        "message": f"no backend answered: {A} answered 500 (boom {A}); {B} answered 500 (boom {B})",
-        "type": "bad_gateway", "param": None, "code": "backend_failed"}}
+        "message": f"no backend answered: {A} answered 500; {B} answered 500",
+        "type": "bad_gateway", "param": None, "code": "backend_failed"}}  # the backends' bodies are not relayed
+    assert f"backend {A} answered 500: boom {A}" in caplog.text  # but logged
     assert fakes.posts() == [A, B]  # one retry, not a third attempt
     assert all(b.health.consecutive_failures == 1 for b in service.backends[:2])
     await _stop(service, client)
@@ -360,3 +361,33 @@ async def test_unknown_paths_and_methods_get_openai_error_json():
     assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
     assert "POST" in r.headers["allow"]
     await _stop(service, client)
+
+
+async def test_a_backend_back_as_another_process_or_without_events_gets_a_fresh_index():
+    """A backend restarted while ejected holds none of the blocks indexed for it: its old index (551 blocks
+    in a live run) kept drawing shared prefixes to it, and one restarted without KV events kept it forever."""
+    publisher = KVEventPublisher("tcp://127.0.0.1:*")
+    events = {"endpoint": publisher.endpoint, "topic": ""}
+    fakes = Fakes(**{A: {"block_size": 16, "instance_id": "one", "kv_events": events}})
+    fakes.script = {A: ok, B: ok}
+    service, client = await _start(fakes, A, B, policy="kv-aware")
+    a = service.backends[0]
+    assert isinstance(a.state.index, EventBlockIndex) and a.subscriber.endpoint == publisher.endpoint
+
+    async def back(load):
+        a.state.index.blocks.add(123)
+        a.health.eject("restarted")
+        fakes.load[A] = load
+        a.health.ejected_until = 0.0  # its time is up: the probe passes and the router reads its /load again
+        await service._check(a)
+        assert a.health.state is not HealthState.EJECTED
+
+    await back({"block_size": 16, "instance_id": "one", "kv_events": events})  # the same process: kept
+    assert a.state.index.blocks == {123}
+    await back({"block_size": 16, "instance_id": "two", "kv_events": events})  # another one, same endpoint
+    assert isinstance(a.state.index, EventBlockIndex) and a.state.index.blocks == set()
+    assert a.subscriber.endpoint == publisher.endpoint
+    await back({"block_size": 16, "instance_id": "three", "num_kv_blocks": 64, "kv_events": None})
+    assert a.subscriber is None and isinstance(a.state.index, ApproxBlockIndex) and len(a.state.index) == 0
+    await _stop(service, client)
+    publisher.close()
