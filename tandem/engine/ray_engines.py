@@ -39,13 +39,20 @@ LOAD_TIMEOUT_S = 600.0  # every actor must have loaded its model within this
 
 class RayCoreSupervisor(RemoteCoreSupervisor):
     """``RemoteCoreSupervisor`` whose reconnects are restarts: a Ray engine actor that drops its
-    connection has died and been restarted by Ray, so each reconnect is counted (``num_restarts``,
-    ``on_restart``) with the time from the loss to the reconnect (``last_restart_s``)."""
+    connection has usually died and been restarted by Ray, so a reconnect to a new process is counted
+    (``num_restarts``, ``on_restart``) with the time from the loss to the reconnect (``last_restart_s``).
+    A reconnect to the same process (the pid and host of its ``Ready``: an actor starved past the
+    heartbeat timeout on a busy machine, not restarted) is logged but not counted, and its cache is kept."""
 
     async def _restart(self) -> None:
         t0, old = time.monotonic(), self.client
+        before = (getattr(old, "core_pid", None), getattr(old, "core_host", None))
         await super()._restart()
         if self.client is old or self._closing:
+            return
+        if before[0] is not None and (self.client.core_pid, self.client.core_host) == before:
+            logger.warning("engine core actor reconnected in %.2f s: the same process (pid %d on %s), not a restart",
+                           time.monotonic() - t0, before[0], before[1])
             return
         self.num_restarts += 1
         self.last_restart_s = time.monotonic() - t0
