@@ -1,11 +1,11 @@
 """Fast CPU paged attention: the C++ kernel reads the KV cache in place (online softmax, no gather).
 
-On the ``avx2`` kernels every row goes to the kernel: it tiles the queries of prompt chunks and
+On both kernel variants every row goes to the kernel: it tiles the queries of prompt chunks and
 gives a query the same bits whatever else is in the step (batch invariance).
 
 Per layer and step: one kernel call stores this step's K/V and attends every row with at most
-``max_query_len`` query tokens (the kernel registry's limit for ``paged_attention``: 16 on
-``avx512_bf16``, any length on ``avx2``) (online softmax over the row's blocks, no gather, memory independent
+``max_query_len`` query tokens (the kernel registry's limit for ``paged_attention``: any length on
+``avx512_bf16`` and ``avx2``) (online softmax over the row's blocks, no gather, memory independent
 of the context). A row with more query tokens runs ``F.scaled_dot_product_attention``: directly on
 its new q/k/v when nothing of it is cached (``is_causal``), else on its context gathered through
 the block table (as the reference does). Results match ``TorchRefAttention`` (tests/unit).

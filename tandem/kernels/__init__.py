@@ -33,9 +33,10 @@ __all__ = [
 
 def linear_max_tokens() -> int:
     """The largest token count (rows of ``x``) the selected variant's ``linear_bf16`` kernel should get:
-    the kernel registry's limit (16 on avx512_bf16, where oneDNN's GEMM is faster above; any count,
-    ``registry.UNLIMITED``, on avx2: its blocked fp32 GEMM beats bf16 ``F.linear`` on CPUs without bf16
-    dot products, and one path for every M keeps batch invariance), 0 for the torch backend."""
+    the kernel registry's limit: any count (``registry.UNLIMITED``) on both variants, since one reduction
+    order for every M keeps batch invariance (on avx512_bf16 oneDNN's GEMM would be faster above ~16
+    tokens; on avx2 the blocked fp32 GEMM beats bf16 ``F.linear`` on CPUs without bf16 dot products),
+    0 for the torch backend."""
     from tandem.kernels import registry
 
     return registry.max_tokens("linear_bf16")

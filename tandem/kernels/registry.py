@@ -7,9 +7,11 @@ process runs one variant (``build.selected_variant``: CPU flags, or ``--kernel-b
 *and* its compiled module implements it, else on ``torch``. ``LIMITS`` gives each variant's largest
 token count per call (None = any):
 
-- linear layers: 16 tokens on ``avx512_bf16`` (a streaming GEMV/small-M GEMM; oneDNN's GEMM is faster
-  above), any M on ``avx2`` (one batch-invariant kernel for all M).
-- ``paged_attention``: the longest row (query tokens) the kernel attends; longer rows go to SDPA.
+- linear layers: any M on both variants. Each computes a (token, row) value in one fixed order whatever
+  the number of tokens in the call (batch invariance, issue 11 item 5), so prefill runs through them
+  too: on ``avx512_bf16`` oneDNN's bf16 GEMM is faster above ~16 tokens but reduces in another order
+  (README, Performance: the measured prefill cost).
+- ``paged_attention``: the longest row (query tokens) the kernel attends (any); longer rows would go to SDPA.
 - ``decoder_layer``: tokens per step (the whole step must fit its linears and its attention).
 
 An operator a variant does not declare may name another variant in ``ROUTES``: the GGUF Q5_0 / Q4_K / Q6_K
@@ -59,15 +61,15 @@ def _limits(avx512_bf16: int | None, avx2: int | None) -> dict[str, int | None]:
 
 
 # op -> {variant: max tokens per call (None = any)}; a variant missing from an op's dict lacks it.
-# NOTE: 16 on avx512_bf16 is where oneDNN's bf16 GEMM (AMX / avx512_bf16) overtakes the streaming
-# kernel (benchmarks/README.md); CpuPagedAttention's SDPA path beats the kernel on longer rows there.
+# NOTE: no limit on avx512_bf16 either: oneDNN's bf16 GEMM (above ~16 tokens) and SDPA (prompt rows) are
+# faster there but not batch-invariant (a prompt's last token would differ from the same token decoded alone).
 LIMITS: dict[str, dict[str, int | None]] = {
-    **{op: _limits(16, None) for op in _LINEAR_OPS},
+    **{op: _limits(None, None) for op in _LINEAR_OPS},
     **{op: _limits(None, None) for op in _ELEMENTWISE_OPS + _THREAD_OPS},
-    # dequantize for one oneDNN GEMM above the linear limit; avx2's linears take every M instead
+    # dequantize for one oneDNN GEMM above a linear limit (none today); avx2's linears take every M
     **{op: _limits(None, _NONE) for op in _DEQUANT_OPS},
-    "paged_attention": _limits(16, None),
-    "decoder_layer": _limits(16, None),
+    "paged_attention": _limits(None, None),
+    "decoder_layer": _limits(None, None),
     **{op: _limits(_NONE, None) for op in _AVX2_ONLY_LINEAR_OPS + _AVX2_ONLY_MOE_OPS + _AVX2_ONLY_OPS},
 }
 # op -> {selected variant: the variant whose kernel runs instead}, for operators the selected one lacks.

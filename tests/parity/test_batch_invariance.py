@@ -1,12 +1,12 @@
-"""Batch invariance end to end (kernels issue, item 5): on the avx2 kernels a bf16 greedy request's
-tokens do not depend on what else is in the batch or on speculation, and a seeded sampled request
-gives the same text when its prefix is already cached.
+"""Batch invariance end to end (kernels issue, item 5): on both kernel variants (avx2 everywhere,
+avx512_bf16 where the CPU has it) a bf16 greedy request's tokens do not depend on what else is in the
+batch or on speculation, and a seeded sampled request gives the same text when its prefix is already
+cached.
 
-The avx2 linear and attention kernels compute each (token, row) value in one fixed order whatever
-the number of tokens in the step (tests/unit/test_kernels_linear.py, test_kernels.py check the
-kernels bit for bit); this checks the whole engine on the real default model (SmolLM2-135M Q4_1).
-The avx512_bf16 variant is not batch-invariant (its small-M and tiled paths reduce in different
-orders, and prompt rows use SDPA), so the test selects avx2, which every AVX-512 CPU also runs.
+The linear and attention kernels of both variants compute each (token, row) value in one fixed order
+whatever the number of tokens in the step, and prompt rows go through them too (no oneDNN GEMM, no
+SDPA; tests/unit/test_kernels_linear.py, test_kernels.py check the kernels bit for bit); this checks
+the whole engine on the real default model (SmolLM2-135M Q4_1).
 """
 
 from __future__ import annotations
@@ -30,12 +30,15 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def avx2_llm(smollm2_available):  # noqa: ANN001, ANN201
-    if build.variant_unsupported_reason("avx2") is not None or build.load_variant("avx2") is None:
-        pytest.skip(f"avx2 kernels unavailable: {build.variant_unsupported_reason('avx2') or 'build failed'}")
+@pytest.fixture(scope="module", params=["avx2", "avx512_bf16"])
+def avx2_llm(request, smollm2_available):  # noqa: ANN001, ANN201
+    """An engine on one kernel variant (both in turn; the name is kept from when only avx2 was invariant)."""
+    variant = request.param
+    if build.variant_unsupported_reason(variant) is not None or build.load_variant(variant) is None:
+        pytest.skip(f"{variant} kernels unavailable: {build.variant_unsupported_reason(variant) or 'build failed'}")
     saved = os.environ.get("TANDEM_KERNEL_BACKEND")
-    llm = LLM(kernel_backend="avx2", progress=False)
+    llm = LLM(kernel_backend=variant, progress=False)
+    llm.variant = variant
     yield llm
     if saved is None:
         os.environ.pop("TANDEM_KERNEL_BACKEND", None)
@@ -54,7 +57,7 @@ def test_greedy_tokens_alone_equal_batch_of_8_and_ngram_speculation(avx2_llm: LL
     alone = [_chat(avx2_llm, [p], greedy)[0] for p in PROMPTS]
     assert all(len(t) > 0 for t in alone)
     assert _chat(avx2_llm, PROMPTS, greedy) == alone
-    spec = LLM(kernel_backend="avx2", progress=False,
+    spec = LLM(kernel_backend=avx2_llm.variant, progress=False,
                speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert _chat(spec, PROMPTS, greedy) == alone
     assert spec.engine.stats().spec_num_drafts > 0  # speculation really ran

@@ -49,8 +49,8 @@ def forward(model, ids: list[int], computed: list[int], scheduled: list[int], ta
 
 
 def mixed_step(model, caches) -> torch.Tensor:  # noqa: ANN001
-    """Prefill 20 tokens of row 0 (Python path on avx512_bf16: 20 > 16 tokens), then one step: row 0 decodes,
-    row 1 runs 5."""
+    """Prefill 20 tokens of row 0 (the Python path where the registry limits decoder_layer below 20), then one
+    step: row 0 decodes, row 1 runs 5."""
     tables = [[7, 2, 9, 0, 4, 11], [5, 3]]
     forward(model, list(range(3, 23)), [0], [20], tables[:1], caches)
     return forward(model, [30, 40, 41, 42, 43, 44], [20, 0], [1, 5], tables, caches)
@@ -110,7 +110,7 @@ def count_fused(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def fused_steps() -> int:
     """The 6-token step on every layer; the 20-token prefill too where the registry allows 20 tokens
-    (avx2: any count; avx512_bf16: 16, so that step takes the Python path)."""
+    (both variants take any count today; a limit below 20 would send that step to the Python path)."""
     return 2 if registry.use("decoder_layer", tokens=20) else 1
 
 

@@ -7,12 +7,13 @@ x86-64 machine, avx512_bf16 too where the CPU has it). Bounds (why each toleranc
                of ``|x| @ |w|.T + |b|``) plus the output's bf16 rounding (2^-8 relative).
   quantized    vs float64 ``x @ dequant(w).T + b``: the output's bf16 rounding and fp32 rounding of the
                block terms as above, plus where activations are quantized to int8 per block of 32
-               (avx2 always; avx512_bf16 for q8_0 at one token) ``activation_bound``; avx512_bf16's
-               multi-token path rounds each weight to bf16 (2^-9 of ``|x| @ |w|.T``).
+               (avx2 always; avx512_bf16 for q8_0 unless TANDEM_Q8_0_EXACT=1) ``activation_bound``;
+               avx512_bf16's int4 / q4_1 sums of x (one per block, fp32) and their cancellation
+               against the 128 + u codes, 2^-9 of ``|x| @ |w|.T``.
   quantized    avx2 vs the float64 value of llama.cpp's arithmetic on the quantized activations
                (``quantized_reference``): only fp32 rounding of the block terms and bf16 output rounding.
   dequantize*  equal to the Python dequantization rounded to bf16, bit for bit.
-  invariance   avx2: a token's outputs are bit-identical at M = 1 and inside batches of 2 .. 300.
+  invariance   every variant: a token's outputs are bit-identical at M = 1 and inside batches of 2 .. 300.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def quantized_reference(fmt: str, x: torch.Tensor, tensors: tuple[torch.Tensor, 
 
 
 def quantizes_activations(variant: str, fmt: str, m: int) -> bool:
-    return fmt != "bf16" and (variant == "avx2" or (fmt == "q8_0" and m == 1 and "avx512_vnni" in build.cpu_flags()))
+    del m  # every token count computes as one token does (batch invariance)
+    return fmt != "bf16" and (variant == "avx2" or (fmt == "q8_0" and "avx512_vnni" in build.cpu_flags()))
 
 
 SHAPES = {  # (M, N, K): odd and tiny K, K not a multiple of 8 or 32 where the format allows, M 1 .. 300
@@ -169,22 +171,40 @@ def test_avx2_quantized_linear_is_llama_cpp_arithmetic(fmt: str, m: int, n: int,
     assert ((y - emulated).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("bias", [False, True])
-def test_avx2_linear_is_batch_invariant(fmt: str, bias: bool) -> None:
-    """Each token's outputs are bit-identical alone and in batches of every size, wherever it sits."""
-    if "avx2" not in VARIANTS:
-        pytest.skip("the avx2 variant does not run here")
-    k = 200 if fmt in ("bf16", "int8") else 224  # K % 8 != 0 (bf16), a partial block (int8)
+@pytest.mark.parametrize("k", [200, 224, 1000])
+def test_linear_is_batch_invariant(variant: str, fmt: str, bias: bool, k: int) -> None:
+    """Each token's outputs are bit-identical alone and in batches of every size, wherever it sits
+    (avx512_bf16's bf16 linear: K = 200 and 224 leave chunks past the 4-accumulator loop, 1000 a masked one)."""
+    if fmt not in ("bf16", "int8") and k % 32:
+        k = 1024  # whole blocks of 32 only
     g = gen(7)
     tensors, _ = layer(fmt, 45, k, g)  # 45 rows: whole tiles and leftover rows
     x = activations(300, k, g)
     b = torch.randn(45, generator=g).bfloat16() if bias else None
-    fn = kernel("avx2", fmt)
+    fn = kernel(variant, fmt)
     alone = torch.cat([fn(x[i : i + 1], *tensors, b) for i in range(300)])
     for m in (2, 3, 5, 8, 16, 17, 64, 300):
         for start in {0, 300 - m, (300 - m) // 2}:
             assert torch.equal(fn(x[start : start + m], *tensors, b), alone[start : start + m]), (m, start)
+
+
+@pytest.mark.skipif("avx512_bf16" not in VARIANTS, reason="the avx512_bf16 variant does not run here")
+def test_avx512_exact_q8_0_is_batch_invariant_and_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TANDEM_Q8_0_EXACT=1: fp32 products of the int8 codes (no activation quantization), any M the same bits."""
+    monkeypatch.setenv("TANDEM_Q8_0_EXACT", "1")
+    g = gen(21)
+    tensors, w = layer("q8_0", 37, 544, g)
+    x = activations(70, 544, g)
+    fn = kernel("avx512_bf16", "q8_0")
+    alone = torch.cat([fn(x[i : i + 1], *tensors) for i in range(70)])
+    for m in (2, 3, 8, 16, 17, 64, 70):
+        assert torch.equal(fn(x[:m], *tensors), alone[:m]), m
+    ref = x.double() @ w.T
+    mag = x.double().abs() @ w.abs().T
+    assert ((alone.double() - ref).abs() <= 2**-8 * ref.abs() + (544 / 8 + 5) * 2**-24 * mag + 1e-30).all()
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -2,11 +2,13 @@
 //
 // Decode reads every weight once per step, so the kernel streams the rows of w in their checkpoint
 // layout (no packing). One or two tokens (memory-bound) read one row at a time (dot_row in
-// gemm_tile.h: a single sequential stream); more tokens (compute-bound) use register tiles
-// (dot_tile_sums: 8 tokens x 3 rows from 8 tokens on, 4 tokens x 6 rows below), prefetching the next
-// tile. Measured on one Zen 4 core at 16 tokens (Qwen2.5-0.5B shapes), 8x3 tiles ran at 325-400
-// GFLOP/s where 4x4 tiles with per-dot-product reductions ran at 250-330 (the LM head: 360 vs 215);
-// at 4 tokens 4x6 tiles were best. Products of two bf16
+// gemm_tile.h: a single sequential stream, 4 accumulators per dot product to hide the vdpbf16ps
+// latency: one accumulator measured 25-35% slower at one token on Zen 5); more tokens use register
+// tiles of 2 tokens x 3 rows (dot_tile4), prefetching the next tile. Every path sums a dot product in
+// dot_row<1, 4>'s order (accumulate_tile4), so a (token, row) value has the same bits whatever the
+// number of tokens (batch invariance, issue 11 item 5); the price is compute at 3+ tokens: 4
+// accumulators per dot product allow only 6 dot products per tile, where the single-accumulator 8x3
+// tiles before ran 1.3-1.6x faster at 16 tokens (README, Performance). Products of two bf16
 // values are exact in fp32, so the only rounding is fp32 accumulation and the final
 // round-to-nearest-even to bf16 (as oneDNN does). Threads split the rows (at::parallel_for, torch's
 // OpenMP pool): each reads a contiguous slice.
@@ -17,9 +19,6 @@
 #include <vector>
 
 #include "gemm_tile.h"
-
-using tandem::dot_rows;
-using tandem::dot_rows_sums;
 
 namespace tandem {
 
@@ -42,24 +41,28 @@ Output output(at::Tensor& y, const float* scale, const at::Tensor& bias) {
 
 }  // namespace tandem
 
-// y = x . w^T for M >= 3 tokens: tiles of RB rows (split over threads) x MB tokens.
+// y = x . w^T for M >= 3 tokens: tiles of RB rows (split over threads) x MB tokens, the last token tile
+// smaller, each dot product in dot_row<1, 4>'s order (dot_tile4).
 template <int MB, int RB>
-static void tiled(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, int64_t K,
-                  const tandem::Output& out) {
+static void tiled4(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, int64_t K,
+                   const tandem::Output& out) {
   const int64_t tiles = N / RB;
-  // NOTE: a grain of 64 / RB tiles (~64 rows) keeps tiny matrices on one thread, where a fork costs more.
   at::parallel_for(0, tiles, 64 / RB, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(M * RB);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t row0 = t * RB;
-      const uint16_t* next = t + 1 < end ? wp + (row0 + RB) * K : nullptr;
-      dot_rows_sums<MB, RB>(xp, K, M, K, wp + row0 * K, K, acc.data(), next);
+      const uint16_t* w = wp + row0 * K;
+      const uint16_t* next = t + 1 < end ? w + RB * K : nullptr;
+      int64_t m = 0;
+      for (; m + MB <= M; m += MB)
+        tandem::dot_tile4<MB, RB>(xp + m * K, K, w, K, K, acc.data() + m * RB, m == 0 ? next : nullptr);
+      for (; m < M; ++m) tandem::dot_tile4<1, RB>(xp + m * K, K, w, K, K, acc.data() + m * RB, m == 0 ? next : nullptr);
       out.store_vec(acc.data(), RB, M, row0);
     }
   });
   std::vector<float> acc(M);
   for (int64_t row = tiles * RB; row < N; ++row) {
-    dot_rows<1>(xp, K, M, K, wp + row * K, K, acc.data(), nullptr);
+    for (int64_t m = 0; m < M; ++m) tandem::dot_row<1, 4>(xp + m * K, K, wp + row * K, K, acc.data() + m);
     out.store(acc.data(), 1, M, row);
   }
 }
@@ -83,15 +86,12 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bia
         if (M == 1)
           tandem::dot_row<1, 4>(xp, K, wp + n * K, K, acc);
         else
-          tandem::dot_row<2, 2>(xp, K, wp + n * K, K, acc);
+          tandem::dot_row<2, 4>(xp, K, wp + n * K, K, acc);
         out.store(acc, 1, M, n);
       }
     });
     return y;
   }
-  if (M >= 8)
-    tiled<8, 3>(xp, wp, M, N, K, out);
-  else
-    tiled<4, 6>(xp, wp, M, N, K, out);
+  tiled4<2, 3>(xp, wp, M, N, K, out);
   return y;
 }

@@ -10,13 +10,12 @@
 //   q8_0 and q4_1 rows may be strided: QuantizedLinear keeps a row's scales and then its codes in one
 //   buffer, so a layer is one sequential stream (see check_q8_0).
 // Source of the block formats: ggml-quants.c (dequantize_row_q8_0 / q4_0 / q4_1).
-// q8_0 at one token also quantizes the activations, as llama.cpp does (run_q8_0_one_token_vnni).
-// One token (decode at batch 1, memory-bound) reads one row at a time straight from the quantized
-// bytes (int8_row_one_token, int4_row_one_token). Several tokens: each thread walks tiles of 4 rows,
-// dequantizes them into an L1 buffer of bf16, kChunk columns at a time, and multiplies with the
-// shared micro-kernel (gemm_tile.h), so dequantization is paid once per weight however many tokens
-// there are. int8 values are exact in bf16 (the per-row scale is applied at the end, in fp32); int4
-// values become bf16(q * scale) there, whose rounding (2^-9 relative) is far below the 4-bit step.
+// Every format reads one row at a time straight from the quantized bytes (int8_row_tokens, int4_row_tokens,
+// q8_0_row_vnni; q8_0 also quantizes the activations, as llama.cpp does, unless TANDEM_Q8_0_EXACT=1), for
+// up to 4 tokens at once (the weights are loaded and decoded once for them). A token's value is computed by
+// the same instructions in the same order whatever the number of tokens in the call (batch invariance,
+// issue 11 item 5): several tokens cost about 1 + 0.6 (M - 1) one-token calls of compute, instead of a
+// dequantized bf16 tile (the kernels before, whose reduction order differed from one token's).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -36,11 +35,42 @@ Output output(at::Tensor& y, const float* scale, const at::Tensor& bias);
 
 namespace {
 
-using tandem::dot_rows;
-using tandem::kRowTile;
 using tandem::lane_mask;
 
-constexpr int64_t kChunk = 1024;  // columns dequantized at a time: 4 rows x 2 KB stay in L1
+
+constexpr int64_t kTokenBlock = 64;  // at most this many tokens per block (see for_token_tiles)
+
+// The token kernels (batch invariance, issue 11 item 5): each computes, for 1 <= MB <= 4 tokens and one row,
+// exactly what it computes for one token (the same instructions per token, in the same order), sharing the
+// weight loads and their decoding between the tokens. A thread walks its rows for each block of tokens
+// whose activations (token_bytes each, as the kernel reads them) fit in 32 KB of L1: re-reading them from
+// L2 for every row measured 2-3x slower at 64 tokens of K = 4864. row_fn(row, m0, mb, acc) writes
+// acc[0, mb) for tokens m0 .. m0 + mb - 1.
+template <typename RowFn>
+void for_token_tiles(int64_t M, int64_t N, int64_t token_bytes, const tandem::Output& out, const RowFn& row_fn) {
+  const int64_t block = std::max<int64_t>(4, std::min<int64_t>(kTokenBlock, (32768 / token_bytes) / 4 * 4));
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    float acc[kTokenBlock];
+    for (int64_t b0 = 0; b0 < M; b0 += block) {
+      const int64_t bm = std::min(block, M - b0);
+      const tandem::Output block{out.y + b0 * out.N, out.N, out.scale, out.bias};
+      for (int64_t row = begin; row < end; ++row) {
+        for (int64_t m = 0; m < bm; m += 4) row_fn(row, b0 + m, std::min<int64_t>(4, bm - m), acc + m);
+        block.store(acc, 1, bm, row);
+      }
+    }
+  });
+}
+
+// Calls f.template operator()<MB>() for MB = mb (1..4).
+#define TANDEM_TOKENS_DISPATCH(mb, CALL) \
+  switch (mb) {                          \
+    case 4: CALL(4); break;              \
+    case 3: CALL(3); break;              \
+    case 2: CALL(2); break;              \
+    default: CALL(1); break;             \
+  }
+
 
 // dst[0, 16) = float(src[0, n)) (n <= 16; lanes past n are 0): a scalar at::Half conversion is a
 // software routine that costs about as much as dequantizing a group, so scales convert 16 at a time.
@@ -57,25 +87,6 @@ inline void pairs_to_floats(const at::Half* src, int64_t n, __m512* d, __m512* m
   *d = _mm512_permutex2var_ps(lo, even, hi);
   *m = _mm512_permutex2var_ps(lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi);
 }
-
-struct Int8Rows {
-  const int8_t* q;
-  int64_t K;
-  // dst[0, n) = bf16(q[row, k0 + i]); prefetches the same bytes of row `pf_row` (or none if < 0).
-  void operator()(int64_t row, int64_t k0, int64_t n, uint16_t* dst, int64_t pf_row) const {
-    const int8_t* src = q + row * K + k0;
-    const int8_t* pf = pf_row >= 0 ? q + pf_row * K + k0 : nullptr;
-    for (int64_t i = 0; i < n; i += 32) {
-      if (pf != nullptr) _mm_prefetch(reinterpret_cast<const char*>(pf + i), _MM_HINT_T0);
-      const int64_t left = n - i;
-      const __mmask16 m0 = lane_mask(left), m1 = lane_mask(std::max<int64_t>(left - 16, 0));
-      __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m0, src + i)));
-      __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m1, src + i + 16)));
-      const __mmask32 m = left >= 32 ? (__mmask32)0xFFFFFFFF : (__mmask32)((1ULL << left) - 1);
-      _mm512_mask_storeu_epi16(dst + i, m, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
-  }
-};
 
 struct Int4Rows {
   const uint8_t* q;
@@ -147,36 +158,46 @@ inline __m512 q8_0_group(const int8_t* b, const float* x) {  // sum of the 32 pr
   return _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(x)));
 }
 
-// NOTE: named accumulators, not an array indexed by g & 1, which GCC keeps on the stack (2x slower).
-inline float q8_0_row_one_token(const int8_t* q, const at::Half* scale, int64_t K, const float* x32) {
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+// NOTE: named accumulators (acc0 / acc1 per token), not an array indexed by g & 1, which GCC keeps on the
+// stack (2x slower). MB tokens, x32 [MB, K] fp32; per token the one-token computation.
+template <int MB>
+inline void q8_0_row_tokens(const int8_t* q, const at::Half* scale, int64_t K, const float* x32, float* out) {
+  __m512 acc0[MB], acc1[MB];
+  TANDEM_UNROLL
+  for (int m = 0; m < MB; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
   const int64_t groups = K / 32;
   alignas(64) float d[16];
   for (int64_t g0 = 0; g0 < groups; g0 += 16) {
     halves_to_floats(scale + g0, groups - g0, d);
     const int64_t g_end = std::min<int64_t>(groups, g0 + 16);
     int64_t g = g0;
-    for (; g + 2 <= g_end; g += 2) {
-      acc0 = _mm512_fmadd_ps(q8_0_group(q + 32 * g, x32 + 32 * g), _mm512_set1_ps(d[g - g0]), acc0);
-      acc1 = _mm512_fmadd_ps(q8_0_group(q + 32 * g + 32, x32 + 32 * g + 32), _mm512_set1_ps(d[g + 1 - g0]), acc1);
-    }
-    if (g < g_end) acc0 = _mm512_fmadd_ps(q8_0_group(q + 32 * g, x32 + 32 * g), _mm512_set1_ps(d[g - g0]), acc0);
+    for (; g + 2 <= g_end; g += 2)
+      TANDEM_UNROLL
+      for (int m = 0; m < MB; ++m) {
+        acc0[m] = _mm512_fmadd_ps(q8_0_group(q + 32 * g, x32 + m * K + 32 * g), _mm512_set1_ps(d[g - g0]), acc0[m]);
+        acc1[m] = _mm512_fmadd_ps(q8_0_group(q + 32 * g + 32, x32 + m * K + 32 * g + 32),
+                                  _mm512_set1_ps(d[g + 1 - g0]), acc1[m]);
+      }
+    if (g < g_end)
+      TANDEM_UNROLL
+      for (int m = 0; m < MB; ++m)
+        acc0[m] = _mm512_fmadd_ps(q8_0_group(q + 32 * g, x32 + m * K + 32 * g), _mm512_set1_ps(d[g - g0]), acc0[m]);
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+  TANDEM_UNROLL
+  for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m]));
 }
 
-void run_q8_0_one_token(const int8_t* q, const at::Half* scale, int64_t ldq, int64_t lds, const at::Tensor& x,
-                        int64_t N, int64_t K,
-                        const at::Tensor& bias, at::Tensor& y) {
-  std::vector<float> x32(K);
+void run_q8_0_exact(const int8_t* q, const at::Half* scale, int64_t ldq, int64_t lds, const at::Tensor& x,
+                    int64_t N, int64_t K, const at::Tensor& bias, at::Tensor& y) {
+  const int64_t M = x.size(0);
+  std::vector<float> x32(M * K);
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-  for (int64_t k = 0; k < K; ++k) x32[k] = static_cast<float>(xp[k]);
+  for (int64_t i = 0; i < M * K; ++i) x32[i] = static_cast<float>(xp[i]);
   const tandem::Output out = tandem::output(y, nullptr, bias);
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // one row at a time, as for int8
-    for (int64_t row = begin; row < end; ++row) {
-      const float acc = q8_0_row_one_token(q + row * ldq, scale + row * lds, K, x32.data());
-      out.store(&acc, 1, 1, row);
-    }
+  for_token_tiles(M, N, 4 * K, out, [&](int64_t row, int64_t m0, int64_t mb, float* acc) {
+#define TANDEM_Q8X_CALL(MB) q8_0_row_tokens<MB>(q + row * ldq, scale + row * lds, K, x32.data() + m0 * K, acc)
+    TANDEM_TOKENS_DISPATCH(mb, TANDEM_Q8X_CALL)
+#undef TANDEM_Q8X_CALL
   });
 }
 
@@ -229,98 +250,134 @@ __attribute__((target("avx512vnni"))) inline __m512i load64(const int8_t* p) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), 1);
 }
-__attribute__((target("avx512vnni"))) inline float q8_0_row_vnni(const int8_t* q, const at::Half* scale,
-                                                                 const Q8Activations& a, const __m512i* pair_idx) {
+// MB tokens (a[0, MB): their quantized activations), one row; per token the one-token computation.
+template <int MB>
+__attribute__((target("avx512vnni"))) inline void q8_0_row_vnni(const int8_t* q, const at::Half* scale,
+                                                                const Q8Activations* a, const __m512i* pair_idx,
+                                                                float* out) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  const auto* xq = reinterpret_cast<const __m512i*>(a.xq.data());
-  const auto* init = reinterpret_cast<const __m512i*>(a.init.data());
-  const int64_t full = a.blocks / 2;  // whole pairs
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  for (int64_t g0 = 0; g0 < a.blocks; g0 += 16) {  // 16 blocks = 8 pairs share one scale conversion
-    const __m512 s16 = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lane_mask(a.blocks - g0), scale + g0)),
-                                     _mm512_loadu_ps(a.dx.data() + g0));
+  const int64_t blocks = a[0].blocks, full = blocks / 2;  // whole pairs
+  const __m512i* xq[MB];
+  const __m512i* init[MB];
+  __m512 acc0[MB], acc1[MB];
+  TANDEM_UNROLL
+  for (int m = 0; m < MB; ++m) {
+    xq[m] = reinterpret_cast<const __m512i*>(a[m].xq.data());
+    init[m] = reinterpret_cast<const __m512i*>(a[m].init.data());
+    acc0[m] = _mm512_setzero_ps();
+    acc1[m] = _mm512_setzero_ps();
+  }
+  for (int64_t g0 = 0; g0 < blocks; g0 += 16) {  // 16 blocks = 8 pairs share one scale conversion
+    const __m512 d16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lane_mask(blocks - g0), scale + g0));
+    __m512 s16[MB];
+    TANDEM_UNROLL
+    for (int m = 0; m < MB; ++m) s16[m] = _mm512_mul_ps(d16, _mm512_loadu_ps(a[m].dx.data() + g0));
     const int64_t p0 = g0 / 2, p_end = std::min<int64_t>(full, p0 + 8);
     int64_t p = p0;
     for (; p + 2 <= p_end; p += 2) {
       const __m512i u0 = _mm512_xor_si512(load64(q + 64 * p), flip);
       const __m512i u1 = _mm512_xor_si512(load64(q + 64 * p + 64), flip);
-      const __m512i i0 = _mm512_dpbusd_epi32(_mm512_loadu_si512(init + p), u0, _mm512_loadu_si512(xq + p));
-      const __m512i i1 = _mm512_dpbusd_epi32(_mm512_loadu_si512(init + p + 1), u1, _mm512_loadu_si512(xq + p + 1));
-      acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_permutexvar_ps(pair_idx[p - p0], s16), acc0);
-      acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_permutexvar_ps(pair_idx[p + 1 - p0], s16), acc1);
+      TANDEM_UNROLL
+      for (int m = 0; m < MB; ++m) {
+        const __m512i i0 = _mm512_dpbusd_epi32(_mm512_loadu_si512(init[m] + p), u0, _mm512_loadu_si512(xq[m] + p));
+        const __m512i i1 =
+            _mm512_dpbusd_epi32(_mm512_loadu_si512(init[m] + p + 1), u1, _mm512_loadu_si512(xq[m] + p + 1));
+        acc0[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_permutexvar_ps(pair_idx[p - p0], s16[m]), acc0[m]);
+        acc1[m] =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_permutexvar_ps(pair_idx[p + 1 - p0], s16[m]), acc1[m]);
+      }
     }
     if (p < p_end) {
       const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(q + 64 * p), flip);
-      const __m512i i = _mm512_dpbusd_epi32(_mm512_loadu_si512(init + p), u, _mm512_loadu_si512(xq + p));
-      acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_permutexvar_ps(pair_idx[p - p0], s16), acc0);
+      TANDEM_UNROLL
+      for (int m = 0; m < MB; ++m) {
+        const __m512i i = _mm512_dpbusd_epi32(_mm512_loadu_si512(init[m] + p), u, _mm512_loadu_si512(xq[m] + p));
+        acc0[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_permutexvar_ps(pair_idx[p - p0], s16[m]), acc0[m]);
+      }
     }
   }
-  if (a.blocks % 2) {  // the last block alone: its pair's lanes 8-15 would read past the row
+  if (blocks % 2) {  // the last block alone: its pair's lanes 8-15 would read past the row
     const int64_t p = full;
     const __m512i u = _mm512_xor_si512(_mm512_maskz_loadu_epi8(0xFFFFFFFFULL, q + 64 * p), flip);
-    const __m512i i = _mm512_maskz_dpbusd_epi32(0xFF, _mm512_loadu_si512(init + p), u, _mm512_loadu_si512(xq + p));
-    const float s = static_cast<float>(scale[2 * p]) * a.dx[2 * p];
-    acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_set1_ps(s), acc0);
+    const float d = static_cast<float>(scale[2 * p]);
+    TANDEM_UNROLL
+    for (int m = 0; m < MB; ++m) {
+      const __m512i i = _mm512_maskz_dpbusd_epi32(0xFF, _mm512_loadu_si512(init[m] + p), u, _mm512_loadu_si512(xq[m] + p));
+      acc0[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_set1_ps(d * a[m].dx[2 * p]), acc0[m]);
+    }
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+  TANDEM_UNROLL
+  for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m]));
 }
 
-// Rows [begin, end) of the one-token VNNI kernel (a function of its own: a lambda would not inherit
-// the target attribute, and q8_0_row_vnni would not be inlined into it).
-__attribute__((target("avx512vnni"))) void q8_0_rows_vnni(const int8_t* q, const at::Half* scale, int64_t ldq,
-                                                          int64_t lds, const Q8Activations& a,
-                                                          const tandem::Output& out, int64_t begin, int64_t end) {
+// One row, mb (1..4) tokens from a (a function of its own: a lambda would not inherit the target
+// attribute, and q8_0_row_vnni would not be inlined into it).
+__attribute__((target("avx512vnni"))) void q8_0_row_vnni_tokens(const int8_t* q, const at::Half* scale,
+                                                                const Q8Activations* a, int64_t mb, float* out) {
   __m512i pair_idx[8];  // lanes 0-7 pick scale 2j (block a), lanes 8-15 scale 2j + 1 (block b)
   for (int j = 0; j < 8; ++j) pair_idx[j] = _mm512_mask_set1_epi32(_mm512_set1_epi32(2 * j), 0xFF00, 2 * j + 1);
-  for (int64_t row = begin; row < end; ++row) {
-    const float acc = q8_0_row_vnni(q + row * ldq, scale + row * lds, a, pair_idx);
-    out.store(&acc, 1, 1, row);
-  }
+#define TANDEM_Q8_CALL(MB) q8_0_row_vnni<MB>(q, scale, a, pair_idx, out)
+  TANDEM_TOKENS_DISPATCH(mb, TANDEM_Q8_CALL)
+#undef TANDEM_Q8_CALL
 }
 
-void run_q8_0_one_token_vnni(const int8_t* q, const at::Half* scale, int64_t ldq, int64_t lds, const at::Tensor& x,
-                             int64_t N, int64_t K, const at::Tensor& bias, at::Tensor& y) {
-  const Q8Activations a = quantize_activations(x.data_ptr<at::BFloat16>(), K);
+// Any number of tokens, each with its activations quantized (quantize_activations) and reduced as one
+// token alone is.
+void run_q8_0_vnni(const int8_t* q, const at::Half* scale, int64_t ldq, int64_t lds, const at::Tensor& x,
+                   int64_t N, int64_t K, const at::Tensor& bias, at::Tensor& y) {
+  const int64_t M = x.size(0);
+  std::vector<Q8Activations> a(M);
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  for (int64_t m = 0; m < M; ++m) a[m] = quantize_activations(xp + m * K, K);
   const tandem::Output out = tandem::output(y, nullptr, bias);
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // one row at a time, as for int8
-    q8_0_rows_vnni(q, scale, ldq, lds, a, out, begin, end);
+  for_token_tiles(M, N, 2 * K, out, [&](int64_t row, int64_t m0, int64_t mb, float* acc) {  // xq and init
+    q8_0_row_vnni_tokens(q + row * ldq, scale + row * lds, a.data() + m0, mb, acc);
   });
 }
 
 // One token (decode at batch 1), one row: dot products straight from the int8 bytes in fp32, no
 // bf16 buffer (a quarter of the instructions per weight of the buffered path, which is compute-bound
 // there). x32 is x in fp32; two accumulators hide the FMA latency.
-inline float int8_row_one_token(const int8_t* q, int64_t K, const float* x32) {
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+template <int MB>
+inline void int8_row_tokens(const int8_t* q, int64_t K, const float* x32, float* out) {
+  __m512 acc0[MB], acc1[MB];
+  TANDEM_UNROLL
+  for (int m = 0; m < MB; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
     const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
     const __m512 w1 =
         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16))));
-    acc0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x32 + k), acc0);
-    acc1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x32 + k + 16), acc1);
+    TANDEM_UNROLL
+    for (int m = 0; m < MB; ++m) {
+      acc0[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x32 + m * K + k), acc0[m]);
+      acc1[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x32 + m * K + k + 16), acc1[m]);
+    }
   }
   for (; k < K; k += 16) {
-    const __mmask16 m = lane_mask(K - k);
-    const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, q + k)));
-    acc0 = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m, x32 + k), acc0);
+    const __mmask16 mask = lane_mask(K - k);
+    const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, q + k)));
+    TANDEM_UNROLL
+    for (int m = 0; m < MB; ++m) acc0[m] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(mask, x32 + m * K + k), acc0[m]);
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+  TANDEM_UNROLL
+  for (int m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m]));
 }
 
-void run_int8_one_token(const int8_t* q, const at::Tensor& x, int64_t N, int64_t K, const float* row_scale,
-                        const at::Tensor& bias, at::Tensor& y) {
-  std::vector<float> x32(K);
+// Any number of tokens, each computed as int8_row_tokens<1> computes one token (x widened to fp32).
+void run_int8_tokens(const int8_t* q, const at::Tensor& x, int64_t N, int64_t K, const float* row_scale,
+                     const at::Tensor& bias, at::Tensor& y) {
+  const int64_t M = x.size(0);
+  std::vector<float> x32(M * K);
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-  for (int64_t k = 0; k < K; ++k) x32[k] = static_cast<float>(xp[k]);
+  for (int64_t i = 0; i < M * K; ++i) x32[i] = static_cast<float>(xp[i]);
   const tandem::Output out = tandem::output(y, row_scale, bias);
   // NOTE: one row at a time: a single sequential stream per thread is what the hardware prefetcher
   // serves best (see dot_row in gemm_tile.h).
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const float acc = int8_row_one_token(q + row * K, K, x32.data());
-      out.store(&acc, 1, 1, row);
-    }
+  for_token_tiles(M, N, 4 * K, out, [&](int64_t row, int64_t m0, int64_t mb, float* acc) {
+#define TANDEM_I8_CALL(MB) int8_row_tokens<MB>(q + row * K, K, x32.data() + m0 * K, acc)
+    TANDEM_TOKENS_DISPATCH(mb, TANDEM_I8_CALL)
+#undef TANDEM_I8_CALL
   });
 }
 
@@ -334,12 +391,26 @@ void run_int8_one_token(const int8_t* q, const at::Tensor& x, int64_t N, int64_t
 // converted from fp16 per block of 8 pairs. About 10 instructions per 64 weights.
 // q4_1 (scale holds (d, m) pairs): w = u d + m, so sum_j x_j w_j = d_g (T_g - 128 X_g) + m_g X_g and
 // y = sum_g d_g T_g - 128 sum_g d_g X_g + sum_g m_g X_g.
-template <bool Q41>
-inline float int4_row_one_token(const uint8_t* q, const at::Half* scale, int64_t K, const uint16_t* xp,
-                                const uint16_t* x, const float* xsum, const __m512i* pair_idx) {
-  const int64_t groups = K / 32, pairs = groups / 2;
+// Per-token inputs of the int4 / q4_1 token kernels, [M, ...] row-major, each token's as for one token.
+struct Int4Tokens {
+  int64_t groups, pairs;
+  std::vector<float> xsum;      // [M, groups]: X_g
+  std::vector<uint16_t> xperm;  // [M, 64 * pairs]: x permuted per pair
+  const uint16_t* x;            // [M, K] bf16 bits
+  int64_t K;
+};
+
+template <bool Q41, int MB>
+inline void int4_row_tokens(const uint8_t* q, const at::Half* scale, const Int4Tokens& tk, int64_t m0,
+                            const __m512i* pair_idx, float* out) {
+  const int64_t groups = tk.groups, pairs = tk.pairs, lp = 64 * pairs, K = tk.K;
+  const uint16_t* xp = tk.xperm.data() + m0 * lp;
+  const uint16_t* x = tk.x + m0 * K;
+  const float* xsum = tk.xsum.data() + m0 * groups;
   const __m512i low4 = _mm512_set1_epi16(0x0F), magic = _mm512_set1_epi16(0x4300);
-  __m512 acc = _mm512_setzero_ps(), corr = _mm512_setzero_ps(), corr_min = _mm512_setzero_ps();
+  __m512 acc[MB], corr[MB], corr_min[MB];
+  TANDEM_UNROLL
+  for (int m = 0; m < MB; ++m) acc[m] = corr[m] = corr_min[m] = _mm512_setzero_ps();
   for (int64_t g0 = 0; g0 < groups; g0 += 16) {  // blocks of 16 groups = 8 pairs
     const __mmask16 gm = lane_mask(groups - g0);
     __m512 d16, m16;
@@ -347,17 +418,24 @@ inline float int4_row_one_token(const uint8_t* q, const at::Half* scale, int64_t
       pairs_to_floats(scale + 2 * g0, groups - g0, &d16, &m16);
     else
       d16 = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gm, scale + g0));
-    const __m512 xs16 = _mm512_maskz_loadu_ps(gm, xsum + g0);
-    corr = _mm512_fmadd_ps(d16, xs16, corr);
-    if (Q41) corr_min = _mm512_fmadd_ps(m16, xs16, corr_min);
+    TANDEM_UNROLL
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xs16 = _mm512_maskz_loadu_ps(gm, xsum + m * groups + g0);
+      corr[m] = _mm512_fmadd_ps(d16, xs16, corr[m]);
+      if (Q41) corr_min[m] = _mm512_fmadd_ps(m16, xs16, corr_min[m]);
+    }
     const int64_t p_end = std::min<int64_t>(pairs, g0 / 2 + 8);
     for (int64_t p = g0 / 2; p < p_end; ++p) {
       const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * p)));
       const __m512i lo = _mm512_or_si512(_mm512_and_si512(v, low4), magic);
       const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(v, 4), magic);
-      __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), tandem::load_bf16(xp + 64 * p), (__m512bh)lo);
-      t = _mm512_dpbf16_ps(t, tandem::load_bf16(xp + 64 * p + 32), (__m512bh)hi);
-      acc = _mm512_fmadd_ps(t, _mm512_permutexvar_ps(pair_idx[p - g0 / 2], d16), acc);
+      const __m512 dp = _mm512_permutexvar_ps(pair_idx[p - g0 / 2], d16);
+      TANDEM_UNROLL
+      for (int m = 0; m < MB; ++m) {
+        __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), tandem::load_bf16(xp + m * lp + 64 * p), (__m512bh)lo);
+        t = _mm512_dpbf16_ps(t, tandem::load_bf16(xp + m * lp + 64 * p + 32), (__m512bh)hi);
+        acc[m] = _mm512_fmadd_ps(t, dp, acc[m]);
+      }
     }
   }
   if (groups % 2) {  // the last group alone: lanes 16-31 of its widened bytes are zero
@@ -365,84 +443,57 @@ inline float int4_row_one_token(const uint8_t* q, const at::Half* scale, int64_t
     const __m512i v = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(0xFFFF, q + 16 * g));
     const __m512i lo = _mm512_maskz_or_epi32(0xFF, _mm512_and_si512(v, low4), magic);
     const __m512i hi = _mm512_maskz_or_epi32(0xFF, _mm512_srli_epi16(v, 4), magic);
-    __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_maskz_loadu_epi16(0xFFFF, x + 32 * g),
-                                (__m512bh)lo);
-    t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_maskz_loadu_epi16(0xFFFF, x + 32 * g + 16), (__m512bh)hi);
-    acc = _mm512_fmadd_ps(t, _mm512_set1_ps(static_cast<float>(scale[Q41 ? 2 * g : g])), acc);
+    const __m512 d = _mm512_set1_ps(static_cast<float>(scale[Q41 ? 2 * g : g]));
+    TANDEM_UNROLL
+    for (int m = 0; m < MB; ++m) {
+      __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_maskz_loadu_epi16(0xFFFF, x + m * K + 32 * g),
+                                  (__m512bh)lo);
+      t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_maskz_loadu_epi16(0xFFFF, x + m * K + 32 * g + 16), (__m512bh)hi);
+      acc[m] = _mm512_fmadd_ps(t, d, acc[m]);
+    }
   }
   // NOTE: one horizontal sum per row (each costs about as much as a pair of groups on short rows).
-  if (Q41)
-    return _mm512_reduce_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(-128.0f), corr, _mm512_add_ps(acc, corr_min)));
-  return _mm512_reduce_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(-136.0f), corr, acc));
+  TANDEM_UNROLL
+  for (int m = 0; m < MB; ++m) {
+    if (Q41)
+      out[m] = _mm512_reduce_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(-128.0f), corr[m], _mm512_add_ps(acc[m], corr_min[m])));
+    else
+      out[m] = _mm512_reduce_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(-136.0f), corr[m], acc[m]));
+  }
 }
 
 template <bool Q41>
-void run_int4_one_token(const uint8_t* q, const at::Half* scale, int64_t ldq, int64_t lds, const at::Tensor& x,
-                        int64_t N, int64_t K, const at::Tensor& bias, at::Tensor& y) {
-  const int64_t groups = K / 32, pairs = groups / 2;
-  const auto* x16 = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+void run_int4_tokens(const uint8_t* q, const at::Half* scale, int64_t ldq, int64_t lds, const at::Tensor& x,
+                     int64_t N, int64_t K, const at::Tensor& bias, at::Tensor& y) {
+  const int64_t M = x.size(0), groups = K / 32, pairs = groups / 2;
+  Int4Tokens tk{groups, pairs, std::vector<float>(M * groups), std::vector<uint16_t>(M * 64 * pairs),
+                reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), K};
   const at::BFloat16* xb = x.data_ptr<at::BFloat16>();
-  std::vector<float> xsum(groups);
-  std::vector<uint16_t> xperm(64 * pairs);
-  for (int64_t g = 0; g < groups; ++g) {
-    float s = 0.0f;
-    for (int64_t j = 0; j < 32; ++j) s += static_cast<float>(xb[32 * g + j]);
-    xsum[g] = s;
-  }
-  for (int64_t p = 0; p < pairs; ++p)
-    for (int64_t j = 0; j < 16; ++j) {
-      xperm[64 * p + j] = x16[64 * p + j];            // a, weights 0-15
-      xperm[64 * p + 16 + j] = x16[64 * p + 32 + j];  // b, weights 0-15
-      xperm[64 * p + 32 + j] = x16[64 * p + 16 + j];  // a, weights 16-31
-      xperm[64 * p + 48 + j] = x16[64 * p + 48 + j];  // b, weights 16-31
+  for (int64_t t = 0; t < M; ++t) {
+    const uint16_t* x16 = tk.x + t * K;
+    uint16_t* xperm = tk.xperm.data() + t * 64 * pairs;
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.0f;
+      for (int64_t j = 0; j < 32; ++j) s += static_cast<float>(xb[t * K + 32 * g + j]);
+      tk.xsum[t * groups + g] = s;
     }
+    for (int64_t p = 0; p < pairs; ++p)
+      for (int64_t j = 0; j < 16; ++j) {
+        xperm[64 * p + j] = x16[64 * p + j];            // a, weights 0-15
+        xperm[64 * p + 16 + j] = x16[64 * p + 32 + j];  // b, weights 0-15
+        xperm[64 * p + 32 + j] = x16[64 * p + 16 + j];  // a, weights 16-31
+        xperm[64 * p + 48 + j] = x16[64 * p + 48 + j];  // b, weights 16-31
+      }
+  }
   __m512i pair_idx[8];  // lanes 0-7 pick scale 2j (group a), lanes 8-15 scale 2j + 1 (group b)
   for (int j = 0; j < 8; ++j)
     pair_idx[j] = _mm512_mask_set1_epi32(_mm512_set1_epi32(2 * j), 0xFF00, 2 * j + 1);
   const tandem::Output out = tandem::output(y, nullptr, bias);
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // one row at a time, as for int8
-    for (int64_t row = begin; row < end; ++row) {
-      const float acc =
-          int4_row_one_token<Q41>(q + row * ldq, scale + row * lds, K, xperm.data(), x16, xsum.data(), pair_idx);
-      out.store(&acc, 1, 1, row);
-    }
+  for_token_tiles(M, N, 2 * K, out, [&](int64_t row, int64_t m0, int64_t mb, float* acc) {  // xperm
+#define TANDEM_I4_CALL(MB) int4_row_tokens<Q41, MB>(q + row * ldq, scale + row * lds, tk, m0, pair_idx, acc)
+    TANDEM_TOKENS_DISPATCH(mb, TANDEM_I4_CALL)
+#undef TANDEM_I4_CALL
   });
-}
-
-template <int RB, typename Rows>
-void tile(const Rows& rows, const uint16_t* x, int64_t M, int64_t K, int64_t row0, int64_t pf_row0,
-          uint16_t* buf, float* acc, float* part) {
-  std::fill(acc, acc + M * RB, 0.0f);
-  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-    const int64_t n = std::min(kChunk, K - k0);
-    for (int r = 0; r < RB; ++r) rows(row0 + r, k0, n, buf + r * kChunk, pf_row0 >= 0 ? pf_row0 + r : -1);
-    dot_rows<RB>(x + k0, K, M, n, buf, kChunk, part, nullptr);
-    for (int64_t i = 0; i < M * RB; ++i) acc[i] += part[i];
-  }
-}
-
-template <typename Rows>
-void run(const Rows& rows, const at::Tensor& x, int64_t N, int64_t K, const float* row_scale,
-         const at::Tensor& bias, at::Tensor& y) {
-  const int64_t M = x.size(0), tiles = N / kRowTile;
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const tandem::Output out = tandem::output(y, row_scale, bias);
-  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    std::vector<uint16_t> buf(kRowTile * kChunk);
-    std::vector<float> acc(M * kRowTile), part(M * kRowTile);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t row0 = t * kRowTile;
-      tile<kRowTile>(rows, xp, M, K, row0, t + 1 < end ? row0 + kRowTile : -1, buf.data(), acc.data(),
-                     part.data());
-      out.store(acc.data(), kRowTile, M, row0);
-    }
-  });
-  std::vector<uint16_t> buf(kChunk);
-  std::vector<float> acc(M), part(M);
-  for (int64_t row = tiles * kRowTile; row < N; ++row) {
-    tile<1>(rows, xp, M, K, row, -1, buf.data(), acc.data(), part.data());
-    out.store(acc.data(), 1, M, row);
-  }
 }
 
 }  // namespace
@@ -456,11 +507,7 @@ at::Tensor linear_int8(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::
               "linear_int8: scale must be contiguous fp32 [N]");
   at::Tensor b;
   at::Tensor y = tandem::prepare_linear(x, N, K, bias, b, "linear_int8");
-  if (x.size(0) == 1) {
-    run_int8_one_token(qweight.data_ptr<int8_t>(), x, N, K, scale.data_ptr<float>(), b, y);
-    return y;
-  }
-  run(Int8Rows{qweight.data_ptr<int8_t>(), K}, x, N, K, scale.data_ptr<float>(), b, y);
+  run_int8_tokens(qweight.data_ptr<int8_t>(), x, N, K, scale.data_ptr<float>(), b, y);
   return y;
 }
 
@@ -475,11 +522,7 @@ at::Tensor linear_int4(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::
               "linear_int4: scale must be contiguous fp16 [N, K / 32]");
   at::Tensor b;
   at::Tensor y = tandem::prepare_linear(x, N, K, bias, b, "linear_int4");
-  if (x.size(0) == 1) {
-    run_int4_one_token<false>(qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K / 2, K / 32, x, N, K, b, y);
-    return y;
-  }
-  run(Int4Rows{qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K}, x, N, K, nullptr, b, y);
+  run_int4_tokens<false>(qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K / 2, K / 32, x, N, K, b, y);
   return y;
 }
 
@@ -574,15 +617,10 @@ at::Tensor linear_q8_0(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::
   const int64_t K = check_q8_0(qweight, scale), N = qweight.size(0), ldq = qweight.stride(0), lds = scale.stride(0);
   at::Tensor b;
   at::Tensor y = tandem::prepare_linear(x, N, K, bias, b, "linear_q8_0");
-  if (x.size(0) == 1 && q8_0_vnni()) {
-    run_q8_0_one_token_vnni(qweight.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), ldq, lds, x, N, K, b, y);
-    return y;
-  }
-  if (x.size(0) == 1) {
-    run_q8_0_one_token(qweight.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), ldq, lds, x, N, K, b, y);
-    return y;
-  }
-  run(Q80Rows{qweight.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), K, ldq, lds}, x, N, K, nullptr, b, y);
+  if (q8_0_vnni())
+    run_q8_0_vnni(qweight.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), ldq, lds, x, N, K, b, y);
+  else
+    run_q8_0_exact(qweight.data_ptr<int8_t>(), scale.data_ptr<at::Half>(), ldq, lds, x, N, K, b, y);
   return y;
 }
 
@@ -591,13 +629,8 @@ at::Tensor linear_q4_1(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::
   const int64_t K = check_q4_1(qweight, scale), N = qweight.size(0);
   at::Tensor b;
   at::Tensor y = tandem::prepare_linear(x, N, K, bias, b, "linear_q4_1");
-  if (x.size(0) == 1) {
-    run_int4_one_token<true>(qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), qweight.stride(0),
-                             scale.stride(0), x, N, K, b, y);
-    return y;
-  }
-  run(Int4Rows{qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K, true, qweight.stride(0), scale.stride(0)},
-      x, N, K, nullptr, b, y);
+  run_int4_tokens<true>(qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), qweight.stride(0), scale.stride(0), x,
+                        N, K, b, y);
   return y;
 }
 

@@ -7,13 +7,16 @@
 // FlashAttention / flash-decoding: m' = max(m, max s), l' = l e^(m - m') + sum e^(s - m'),
 // acc' = acc e^(m - m') + sum e^(s - m') v. Query i of a row sits at position
 // seq_len - n + i and sees keys 0..that position (causal). Memory per thread is O(queries x D),
-// independent of the context length; each K and V row is read once per (row, KV head).
+// independent of the context length; each K and V row is read once per (row tile, KV head), a row's
+// queries taken 16 at a time (each tile sees only the keys up to its last query; a query's bits do not
+// depend on the tiling: batch invariance, prompt rows included).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <algorithm>
 #include <vector>
 
 #include "vec.h"
@@ -138,13 +141,25 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Te
   const int64_t rows = seq_lens.size(0), table_stride = tables.stride(0);
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, rows * g.num_kv, 1, [&](int64_t begin, int64_t end) {
+  // Work items: (row, first query, end query) tiles of at most kQueryTile queries. A tile [i0, i1) of a row
+  // with n queries and seq_len L is attended as a row of i1 - i0 queries and L - n + i1 keys: each query
+  // sees the same keys in the same 16-key chunks either way, so its bits do not depend on the tiling, on
+  // n or on the other rows (batch invariance: a prompt's last token gets the bits it gets decoded alone).
+  constexpr int64_t kQueryTile = 16;
+  std::vector<int64_t> items;  // 3 per item
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = starts[r + 1] - starts[r];
+    if (n == 0 || n > max_query_len) continue;
+    for (int64_t i0 = 0; i0 < n; i0 += kQueryTile) items.insert(items.end(), {r, i0, std::min(n, i0 + kQueryTile)});
+  }
+  const int64_t count = static_cast<int64_t>(items.size()) / 3;
+  at::parallel_for(0, count * g.num_kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t r = w / g.num_kv, head = w % g.num_kv, n = starts[r + 1] - starts[r];
-      if (n == 0 || n > max_query_len) continue;
-      attend_row_head<T>(g, qp + starts[r] * g.q_stride, kc, vc, tab + r * table_stride, lens[r], n, head,
-                         op + starts[r] * g.out_stride, buf);
+      const int64_t* it = items.data() + 3 * (w / g.num_kv);
+      const int64_t r = it[0], i0 = it[1], i1 = it[2], head = w % g.num_kv, n = starts[r + 1] - starts[r];
+      attend_row_head<T>(g, qp + (starts[r] + i0) * g.q_stride, kc, vc, tab + r * table_stride, lens[r] - n + i1,
+                         i1 - i0, head, op + (starts[r] + i0) * g.out_stride, buf);
     }
   });
 }
