@@ -1,7 +1,7 @@
 // The bf16 dot-product micro-kernel shared by the bf16 and the weight-only quantized linear kernels.
 //
-// dot_row<MB, U> and dot_tile4<MB, RB> compute MB x 1 and MB x RB dot products of length K: rows of w
-// in their natural [N, K] layout, tokens of x [M, K], in one order for both (see accumulate_tile4).
+// dot_row<MB, U> and dot_tile_chains<MB, RB> compute MB x 1 and MB x RB dot products of length K: rows of w
+// in their natural [N, K] layout, tokens of x [M, K], in one order for both (see accumulate_tile_chains).
 // Each `vdpbf16ps` (_mm512_dpbf16_ps, Intel SDM "VDPBF16PS") multiplies 32 bf16 pairs exactly and adds them into 16 fp32 lanes; lanes are summed at the end.
 #pragma once
 
@@ -115,23 +115,31 @@ inline void dot_row(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K
 }
 
 // ---- The bf16 linear's one reduction order (batch invariance) ----
-// Every dot product of linear_bf16, whatever the number of tokens, is summed as dot_row<MB, 4> sums it:
-// 32-element chunks in K order, chunk c of the first 4 * floor(K / 128) into accumulator c % 4, the rest
-// (whole or masked) into accumulator 0; then ((a0 + a1) + a2) + a3 and _mm512_reduce_add_ps. The
-// tiles below (MB tokens x RB rows, 4 accumulators each) keep that order, so a token's value does not
-// depend on how many tokens share the call (issue 11, item 5).
+// Every dot product of linear_bf16, whatever the number of tokens, is summed as dot_row<MB, kChains> sums
+// it: 32-element chunks in K order, chunk c of the first kChains * floor(K / (32 kChains)) into
+// accumulator c % kChains, the rest (whole or masked) into accumulator 0; then a0 + a1 (+ a2 ...) in
+// order and the lane sum of _mm512_reduce_add_ps (sum8 adds the lanes in the same tree, bit for bit:
+// halves, quarters, pairs, then the two lanes). The tiles below (MB tokens x RB rows, kChains
+// accumulators each) keep that order, so a token's value does not depend on how many tokens share the
+// call (issue 11, item 5).
+// NOTE: 2 chains: one token streams from DRAM as fast as with 4 (one chain is vdpbf16ps-latency-bound,
+// 25-35% slower on Zen 5), and a tile of 4 tokens x 3 rows fits 24 accumulators in registers.
+constexpr int kChains = 2;
+
 template <int MB, int RB>
-__attribute__((always_inline)) inline void accumulate_tile4(const uint16_t* x, int64_t ldx, const uint16_t* w,
-                                                            int64_t ldw, int64_t K, __m512* acc, const uint16_t* pf) {
+__attribute__((always_inline)) inline void accumulate_tile_chains(const uint16_t* x, int64_t ldx, const uint16_t* w,
+                                                                  int64_t ldw, int64_t K, __m512* acc,
+                                                                  const uint16_t* pf) {
+  constexpr int U = kChains;
   int64_t k = 0;
-  for (; k + 128 <= K; k += 128) {
+  for (; k + 32 * U <= K; k += 32 * U) {
     if (pf != nullptr)
       TANDEM_UNROLL
       for (int r = 0; r < RB; ++r)
         TANDEM_UNROLL
-        for (int u = 0; u < 4; ++u) _mm_prefetch(reinterpret_cast<const char*>(pf + r * ldw + k + 32 * u), _MM_HINT_T0);
+        for (int u = 0; u < U; ++u) _mm_prefetch(reinterpret_cast<const char*>(pf + r * ldw + k + 32 * u), _MM_HINT_T0);
     TANDEM_UNROLL
-    for (int u = 0; u < 4; ++u) {
+    for (int u = 0; u < U; ++u) {
       __m512bh wv[RB];
       TANDEM_UNROLL
       for (int r = 0; r < RB; ++r) wv[r] = load_bf16(w + r * ldw + k + 32 * u);
@@ -139,7 +147,7 @@ __attribute__((always_inline)) inline void accumulate_tile4(const uint16_t* x, i
       for (int m = 0; m < MB; ++m) {
         const __m512bh xv = load_bf16(x + m * ldx + k + 32 * u);
         TANDEM_UNROLL
-        for (int r = 0; r < RB; ++r) acc[(m * RB + r) * 4 + u] = _mm512_dpbf16_ps(acc[(m * RB + r) * 4 + u], xv, wv[r]);
+        for (int r = 0; r < RB; ++r) acc[(m * RB + r) * U + u] = _mm512_dpbf16_ps(acc[(m * RB + r) * U + u], xv, wv[r]);
       }
     }
   }
@@ -152,25 +160,63 @@ __attribute__((always_inline)) inline void accumulate_tile4(const uint16_t* x, i
     for (int m = 0; m < MB; ++m) {
       const __m512bh xv = load_bf16_masked(x + m * ldx + k, mask);
       TANDEM_UNROLL
-      for (int r = 0; r < RB; ++r) acc[(m * RB + r) * 4] = _mm512_dpbf16_ps(acc[(m * RB + r) * 4], xv, wv[r]);
+      for (int r = 0; r < RB; ++r) acc[(m * RB + r) * U] = _mm512_dpbf16_ps(acc[(m * RB + r) * U], xv, wv[r]);
     }
   }
 }
 
-// out[m * RB + r] = sum_k x[m, k] * w[r, k] in dot_row<MB, 4>'s order (see accumulate_tile4).
+// r[n] = sum of the 16 lanes of v[n] for n < 8 (lanes 8-15 are unspecified), in _mm512_reduce_add_ps's
+// order: lanes i + (i + 8), then + 4, + 2, + 1 (transposing 8 vectors, about a third of the instructions).
+inline __m512 sum8(const __m512* v) {
+  __m512 s[4], t[2];
+  TANDEM_UNROLL
+  for (int j = 0; j < 4; ++j)
+    s[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+  TANDEM_UNROLL
+  for (int j = 0; j < 2; ++j)
+    t[j] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(s[2 * j], s[2 * j + 1], 0xDD));
+  const __m512 u = _mm512_add_ps(_mm512_unpacklo_ps(t[0], t[1]), _mm512_unpackhi_ps(t[0], t[1]));
+  const __m512 w = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));  // w[4q] = sum v[q], w[4q + 1] = sum v[4 + q]
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), w);
+}
+
+// out[m * RB + r] = sum_k x[m, k] * w[r, k] in dot_row<MB, kChains>'s order (see accumulate_tile_chains).
 template <int MB, int RB>
-inline void dot_tile4(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, float* out,
-                      const uint16_t* pf) {
-  static_assert(MB * RB <= 6, "dot_tile4: too many accumulators for 32 registers");
-  __m512 acc[MB * RB * 4];
+inline void dot_tile_chains(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, float* out,
+                            const uint16_t* pf) {
+  constexpr int U = kChains, D = MB * RB;
+  static_assert(D * U <= 24, "dot_tile_chains: too many accumulators for 32 registers");
+  __m512 acc[D * U];
   TANDEM_UNROLL
-  for (int i = 0; i < MB * RB * 4; ++i) acc[i] = _mm512_setzero_ps();
-  accumulate_tile4<MB, RB>(x, ldx, w, ldw, K, acc, pf);
+  for (int i = 0; i < D * U; ++i) acc[i] = _mm512_setzero_ps();
+  accumulate_tile_chains<MB, RB>(x, ldx, w, ldw, K, acc, pf);
+  __m512 sum[D];
   TANDEM_UNROLL
-  for (int i = 0; i < MB * RB; ++i) {
-    __m512 sum = _mm512_add_ps(acc[4 * i], acc[4 * i + 1]);
-    sum = _mm512_add_ps(sum, acc[4 * i + 2]);
-    out[i] = _mm512_reduce_add_ps(_mm512_add_ps(sum, acc[4 * i + 3]));
+  for (int i = 0; i < D; ++i) {
+    sum[i] = acc[U * i];
+    TANDEM_UNROLL
+    for (int u = 1; u < U; ++u) sum[i] = _mm512_add_ps(sum[i], acc[U * i + u]);
+  }
+  int i = 0;
+  if constexpr (D >= 8) {
+    _mm256_storeu_ps(out, _mm512_castps512_ps256(sum8(sum)));
+    i = 8;
+  }
+  TANDEM_UNROLL
+  for (; i < D; ++i) out[i] = _mm512_reduce_add_ps(sum[i]);
+}
+
+// The last T or fewer tokens of a token tile: one dot_tile_chains of exactly `rest` (1..T) tokens.
+template <int T, int RB>
+inline void dot_rest_chains(int64_t rest, const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* w, int64_t ldw,
+                            float* out, const uint16_t* pf) {
+  if constexpr (T > 0) {
+    if (rest == T)
+      dot_tile_chains<T, RB>(x, ldx, w, ldw, K, out, pf);
+    else
+      dot_rest_chains<T - 1, RB>(rest, x, ldx, K, w, ldw, out, pf);
   }
 }
 

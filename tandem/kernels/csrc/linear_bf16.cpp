@@ -2,13 +2,13 @@
 //
 // Decode reads every weight once per step, so the kernel streams the rows of w in their checkpoint
 // layout (no packing). One or two tokens (memory-bound) read one row at a time (dot_row in
-// gemm_tile.h: a single sequential stream, 4 accumulators per dot product to hide the vdpbf16ps
-// latency: one accumulator measured 25-35% slower at one token on Zen 5); more tokens use register
-// tiles of 2 tokens x 3 rows (dot_tile4), prefetching the next tile. Every path sums a dot product in
-// dot_row<1, 4>'s order (accumulate_tile4), so a (token, row) value has the same bits whatever the
-// number of tokens (batch invariance, issue 11 item 5); the price is compute at 3+ tokens: 4
-// accumulators per dot product allow only 6 dot products per tile, where the single-accumulator 8x3
-// tiles before ran 1.3-1.6x faster at 16 tokens (README, Performance). Products of two bf16
+// gemm_tile.h: a single sequential stream, kChains = 2 accumulators per dot product to hide the
+// vdpbf16ps latency: one accumulator measured 25-35% slower at one token on Zen 5); more tokens use
+// register tiles of 4 tokens x 3 rows (dot_tile_chains), prefetching the next tile. Every path sums a
+// dot product in dot_row<1, kChains>'s order (accumulate_tile_chains), so a (token, row) value has the
+// same bits whatever the number of tokens (batch invariance, issue 11 item 5); the price is compute
+// from 3 tokens on: 2 accumulators per dot product leave 12 dot products per tile, where the
+// single-accumulator 8x3 tiles before did 24 (README, Performance: measured costs). Products of two bf16
 // values are exact in fp32, so the only rounding is fp32 accumulation and the final
 // round-to-nearest-even to bf16 (as oneDNN does). Threads split the rows (at::parallel_for, torch's
 // OpenMP pool): each reads a contiguous slice.
@@ -42,9 +42,9 @@ Output output(at::Tensor& y, const float* scale, const at::Tensor& bias) {
 }  // namespace tandem
 
 // y = x . w^T for M >= 3 tokens: tiles of RB rows (split over threads) x MB tokens, the last token tile
-// smaller, each dot product in dot_row<1, 4>'s order (dot_tile4).
+// smaller, each dot product in dot_row<1, kChains>'s order (dot_tile_chains).
 template <int MB, int RB>
-static void tiled4(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, int64_t K,
+static void tiled(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, int64_t K,
                    const tandem::Output& out) {
   const int64_t tiles = N / RB;
   at::parallel_for(0, tiles, 64 / RB, [&](int64_t begin, int64_t end) {
@@ -55,14 +55,15 @@ static void tiled4(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N,
       const uint16_t* next = t + 1 < end ? w + RB * K : nullptr;
       int64_t m = 0;
       for (; m + MB <= M; m += MB)
-        tandem::dot_tile4<MB, RB>(xp + m * K, K, w, K, K, acc.data() + m * RB, m == 0 ? next : nullptr);
-      for (; m < M; ++m) tandem::dot_tile4<1, RB>(xp + m * K, K, w, K, K, acc.data() + m * RB, m == 0 ? next : nullptr);
+        tandem::dot_tile_chains<MB, RB>(xp + m * K, K, w, K, K, acc.data() + m * RB, m == 0 ? next : nullptr);
+      if (m < M)
+        tandem::dot_rest_chains<MB - 1, RB>(M - m, xp + m * K, K, K, w, K, acc.data() + m * RB, m == 0 ? next : nullptr);
       out.store_vec(acc.data(), RB, M, row0);
     }
   });
   std::vector<float> acc(M);
   for (int64_t row = tiles * RB; row < N; ++row) {
-    for (int64_t m = 0; m < M; ++m) tandem::dot_row<1, 4>(xp + m * K, K, wp + row * K, K, acc.data() + m);
+    for (int64_t m = 0; m < M; ++m) tandem::dot_row<1, tandem::kChains>(xp + m * K, K, wp + row * K, K, acc.data() + m);
     out.store(acc.data(), 1, M, row);
   }
 }
@@ -84,14 +85,14 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bia
       float acc[2];
       for (int64_t n = begin; n < end; ++n) {
         if (M == 1)
-          tandem::dot_row<1, 4>(xp, K, wp + n * K, K, acc);
+          tandem::dot_row<1, tandem::kChains>(xp, K, wp + n * K, K, acc);
         else
-          tandem::dot_row<2, 4>(xp, K, wp + n * K, K, acc);
+          tandem::dot_row<2, tandem::kChains>(xp, K, wp + n * K, K, acc);
         out.store(acc, 1, M, n);
       }
     });
     return y;
   }
-  tiled4<2, 3>(xp, wp, M, N, K, out);
+  tiled<tandem::kChains == 2 ? 4 : 2, 3>(xp, wp, M, N, K, out);  // 24 accumulators at most
   return y;
 }
