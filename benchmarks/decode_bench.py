@@ -169,8 +169,11 @@ def build_case(case: str, shape: str, args, work: Path) -> dict:  # noqa: ANN001
             _try_peer(backends, unavailable, "vLLM CPU", lambda: peers.vllm_backend(
                 hf_dir, args.threads, args.clock, args.batch, venv=args.vllm_venv))
         if "pace" in want:
-            _try_peer(backends, unavailable, "PACE", lambda: peers.pace_backend(
-                hf_dir, args.threads, args.clock, args.batch, venv=args.pace_venv, kv_cache=args.pace_kv_cache))
+            for kv, wait in [(kv, wait) for kv in args.pace_kv_cache for wait in args.pace_omp_wait]:
+                name = "PACE " + kv + (f" {wait}" if len(args.pace_omp_wait) > 1 else "")
+                _try_peer(backends, unavailable, name, lambda kv=kv, wait=wait, name=name: peers.pace_backend(
+                    hf_dir, args.threads, args.clock, args.batch, venv=args.pace_venv, kv_cache=kv,
+                    omp_wait="" if wait == "unset" else wait, name=name))
         batched.update(b.name for b in backends)
         return {"title": f"{case} ({shape}, random weights): {CASES[case]}", "weights": f"{gb:.2f} GB of bf16 weights",
                 "gb": gb, "vocab": vocab, "backends": backends, "batched": batched, "unavailable": unavailable}
@@ -312,7 +315,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--llama-cpp-venv", default=str(peers.venv_path("llama.cpp")))
     p.add_argument("--vllm-venv", default=str(peers.venv_path("vllm")))
     p.add_argument("--pace-venv", default=str(peers.venv_path("pace")))
-    p.add_argument("--pace-kv-cache", default="dynamic", choices=["dynamic", "bmc", "slab_pool", "paged"])
+    p.add_argument("--pace-kv-cache", nargs="+", default=["bmc"], choices=list(peers.PACE_KV_CACHES),
+                   help="PACE rows, one per KV cache type (default: bmc, as PACE's own offline benchmark config)")
+    p.add_argument("--pace-omp-wait", nargs="+", default=["active"], choices=["active", "passive", "unset"],
+                   help="OMP_WAIT_POLICY of the PACE workers (default: active, PACE's performance guide); "
+                        "several: a row per value")
     p.add_argument("--matmul-rate", action="store_true",
                    help="also measure this CPU's fp32 torch.mm rate at prefill shapes (matmul_rate.py)")
     p.add_argument("--work-dir", help="keep and reuse checkpoints here (default: a temporary folder)")

