@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import types
@@ -224,13 +225,26 @@ class WorkerBackend:
         answer = self._ask({"cmd": "load", **load})
         self.info, self.load_s = answer.get("info", ""), answer.get("load_s")
 
+    def _signal(self, sig: int) -> None:
+        try:
+            os.kill(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
     def _ask(self, msg: dict) -> dict:
+        """Send one command and read its answer. The worker is stopped (SIGSTOP) between commands: an idle
+        peer's OpenMP threads may spin (PACE runs with OMP_WAIT_POLICY=active, which spins forever between
+        parallel regions; 4 idle PACE workers took about 45% of a core each) and would take the cores from the
+        backend being measured."""
+        self._signal(signal.SIGCONT)
         try:
             self.proc.stdin.write(json.dumps(msg) + "\n")
             self.proc.stdin.flush()
             line = self.proc.stdout.readline()
         except (BrokenPipeError, OSError):
             line = ""
+        finally:
+            self._signal(signal.SIGSTOP)
         if not line:
             code = self.proc.wait()
             self._err.flush()
@@ -250,6 +264,7 @@ class WorkerBackend:
         return self._ask({"cmd": "prefill", "tokens": prompt})["seconds"]
 
     def close(self) -> None:
+        self._signal(signal.SIGCONT)
         try:
             self.proc.stdin.close()
             self.proc.wait(timeout=60)
