@@ -174,7 +174,7 @@ def test_quantized_fused_layer_against_pytorch_on_dequantized_weights(tiny_check
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The fused step (GGUF-like q4_1 / q8_0 mix) against PyTorch ops only: every registry operator on
     torch (linears on the dequantized weights in fp32 where the CPU lacks bf16 dot products, norms,
-    RoPE, SiLU) and gather + SDPA attention. The kernels quantize each linear's input to int8 per
+    RoPE, SiLU) and gather + SDPA attention. The avx2 kernels quantize each linear's input to int8 per
     block of 32 (|error| <= max|x_b| / 254 per input, tests/unit/test_kernels_linear.py); 8 such linears
     (2 layers) on this random checkpoint put the hidden state 3.7% (of its largest value) from the
     reference, so the bound is 5%: a wrong block term, scale or order is off by tens of percent."""
@@ -191,7 +191,11 @@ def test_quantized_fused_layer_against_pytorch_on_dequantized_weights(tiny_check
         ref = mixed_step(runner.model, [(k.clone(), v.clone()) for k, v in runner.kv_caches])
     assert len(calls) == fused_steps() * len(runner.model.model.layers)  # the reference ran no fused layer
     err = (fused.float() - ref.float()).abs().max() / ref.float().abs().max()
-    assert 0 < err <= 0.05, err
+    assert err <= 0.05, err
+    if registry.backend_for("linear_q4_1") == "avx2":
+        # NOTE: int8 activations cannot give the reference's bits; avx512_bf16's linears multiply the same
+        # dequantized bf16 weights as the reference at this size (fp32 sums), so there equal bits may come out
+        assert err > 0, "the avx2 kernels quantize activations: equal bits mean the reference ran them"
 
 
 def random_codes(fmt: str, k: int, output_sizes: list[int], bias: bool, g: torch.Generator) -> QuantizedLinear:

@@ -178,7 +178,10 @@ def test_torch_backend_dequantizes_a_quantized_layer_once(fake_variant, monkeypa
     outs = [layer(x[:1]), layer(x), layer(x)]
     assert calls == ["q4_1"] and layer.dense is not None
     assert layer.dense.dtype == registry.torch_compute_dtype(torch.bfloat16)
-    ref = (x.float() @ real("q4_1", layer.qweight, layer.scale).T)
+    # NOTE: the dense copy is in the compute dtype (bf16 where the CPU multiplies bf16 natively, as on
+    # AVX-512 BF16), so the reference rounds the dequantized weights the same way, then sums in fp32
+    dense = real("q4_1", layer.qweight, layer.scale).to(registry.torch_compute_dtype(torch.bfloat16)).float()
+    ref = x.float() @ dense.T
     torch.testing.assert_close(outs[1].float(), ref, rtol=2**-8, atol=1e-3)
     assert "qweight" in layer.state_dict() and "dense" not in layer.state_dict()
 
