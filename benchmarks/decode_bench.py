@@ -48,13 +48,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-import torch
-
 # This checkout's tandem (not whichever one is pip-installed), and the sibling benchmark modules.
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+# NOTE: peers first (it keeps the environment the bench started with for the peers' workers), then tandem,
+# whose import sets its OpenMP wait default (OMP_WAIT_POLICY=passive) as `tandem serve` does, and only then
+# torch: libgomp reads the variable once, when torch loads it, so importing torch first measured Tandem with
+# libgomp's spinning default instead of what its users run
+import peers  # noqa: E402, I001
+import tandem as _tandem_omp_default  # noqa: E402, F401
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
 import moe_gguf  # noqa: E402
-import peers  # noqa: E402
 from bench_backends import TandemBackend, hf_backend  # noqa: E402
 from checkpoints import (  # noqa: E402
     GGUF_TYPES,
