@@ -18,6 +18,8 @@
 // there are. int8 values are exact in bf16 (the per-row scale is applied at the end, in fp32); int4
 // values become bf16(q * scale) there, whose rounding (2^-9 relative) is far below the 4-bit step.
 #include <ATen/Parallel.h>
+
+#include "avx2/parallel.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
@@ -172,7 +174,7 @@ void run_q8_0_one_token(const int8_t* q, const at::Half* scale, int64_t ldq, int
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   for (int64_t k = 0; k < K; ++k) x32[k] = static_cast<float>(xp[k]);
   const tandem::Output out = tandem::output(y, nullptr, bias);
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // one row at a time, as for int8
+  tandem::avx2::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // one row at a time, as for int8
     for (int64_t row = begin; row < end; ++row) {
       const float acc = q8_0_row_one_token(q + row * ldq, scale + row * lds, K, x32.data());
       out.store(&acc, 1, 1, row);
@@ -282,7 +284,7 @@ void run_q8_0_one_token_vnni(const int8_t* q, const at::Half* scale, int64_t ldq
                              int64_t N, int64_t K, const at::Tensor& bias, at::Tensor& y) {
   const Q8Activations a = quantize_activations(x.data_ptr<at::BFloat16>(), K);
   const tandem::Output out = tandem::output(y, nullptr, bias);
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // one row at a time, as for int8
+  tandem::avx2::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // one row at a time, as for int8
     q8_0_rows_vnni(q, scale, ldq, lds, a, out, begin, end);
   });
 }
@@ -316,7 +318,7 @@ void run_int8_one_token(const int8_t* q, const at::Tensor& x, int64_t N, int64_t
   const tandem::Output out = tandem::output(y, row_scale, bias);
   // NOTE: one row at a time: a single sequential stream per thread is what the hardware prefetcher
   // serves best (see dot_row in gemm_tile.h).
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+  tandem::avx2::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const float acc = int8_row_one_token(q + row * K, K, x32.data());
       out.store(&acc, 1, 1, row);
@@ -400,7 +402,7 @@ void run_int4_one_token(const uint8_t* q, const at::Half* scale, int64_t ldq, in
   for (int j = 0; j < 8; ++j)
     pair_idx[j] = _mm512_mask_set1_epi32(_mm512_set1_epi32(2 * j), 0xFF00, 2 * j + 1);
   const tandem::Output out = tandem::output(y, nullptr, bias);
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // one row at a time, as for int8
+  tandem::avx2::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // one row at a time, as for int8
     for (int64_t row = begin; row < end; ++row) {
       const float acc =
           int4_row_one_token<Q41>(q + row * ldq, scale + row * lds, K, xperm.data(), x16, xsum.data(), pair_idx);
@@ -427,7 +429,7 @@ void run(const Rows& rows, const at::Tensor& x, int64_t N, int64_t K, const floa
   const int64_t M = x.size(0), tiles = N / kRowTile;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const tandem::Output out = tandem::output(y, row_scale, bias);
-  at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
+  tandem::avx2::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> buf(kRowTile * kChunk);
     std::vector<float> acc(M * kRowTile), part(M * kRowTile);
     for (int64_t t = begin; t < end; ++t) {
@@ -495,7 +497,7 @@ at::Tensor dequantize(at::Tensor qweight, at::Tensor scale) {
     const int8_t* q = qweight.data_ptr<int8_t>();
     const float* s = scale.data_ptr<float>();
     at::BFloat16* out = w.data_ptr<at::BFloat16>();
-    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    tandem::avx2::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n)
         for (int64_t k = 0; k < K; k += 16) {
           const __mmask16 m = lane_mask(K - k);
@@ -511,7 +513,7 @@ at::Tensor dequantize(at::Tensor qweight, at::Tensor scale) {
   auto w = at::empty({N, K}, qweight.options().dtype(at::kBFloat16));
   const Int4Rows rows{qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K};
   auto* out = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  tandem::avx2::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) rows(n, 0, K, out + n * K, -1);
   });
   return w;
@@ -561,7 +563,7 @@ at::Tensor dequantize_rows(const Rows& rows, const at::Tensor& qweight, int64_t 
   const int64_t N = qweight.size(0);
   auto w = at::empty({N, K}, qweight.options().dtype(at::kBFloat16));
   auto* out = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  tandem::avx2::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) rows(n, 0, K, out + n * K, -1);
   });
   return w;

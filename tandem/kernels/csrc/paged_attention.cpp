@@ -9,6 +9,8 @@
 // seq_len - n + i and sees keys 0..that position (causal). Memory per thread is O(queries x D),
 // independent of the context length; each K and V row is read once per (row, KV head).
 #include <ATen/Parallel.h>
+
+#include "avx2/parallel.h"
 #include <ATen/core/Tensor.h>
 
 #include <cmath>
@@ -138,7 +140,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Te
   const int64_t rows = seq_lens.size(0), table_stride = tables.stride(0);
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, rows * g.num_kv, 1, [&](int64_t begin, int64_t end) {
+  tandem::avx2::parallel_for(0, rows * g.num_kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t r = w / g.num_kv, head = w % g.num_kv, n = starts[r + 1] - starts[r];
