@@ -48,13 +48,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-import torch
-
 # This checkout's tandem (not whichever one is pip-installed), and the sibling benchmark modules.
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+# NOTE: peers first (it keeps the environment the bench started with for the peers' workers), then tandem,
+# whose import sets its OpenMP wait default (OMP_WAIT_POLICY=passive) as `tandem serve` does, and only then
+# torch: libgomp reads the variable once, when torch loads it, so importing torch first measured Tandem with
+# libgomp's spinning default instead of what its users run
+import peers  # noqa: E402, I001
+import tandem as _tandem_omp_default  # noqa: E402, F401
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
 import moe_gguf  # noqa: E402
-import peers  # noqa: E402
 from bench_backends import TandemBackend, hf_backend  # noqa: E402
 from checkpoints import (  # noqa: E402
     GGUF_TYPES,
@@ -169,8 +175,11 @@ def build_case(case: str, shape: str, args, work: Path) -> dict:  # noqa: ANN001
             _try_peer(backends, unavailable, "vLLM CPU", lambda: peers.vllm_backend(
                 hf_dir, args.threads, args.clock, args.batch, venv=args.vllm_venv))
         if "pace" in want:
-            _try_peer(backends, unavailable, "PACE", lambda: peers.pace_backend(
-                hf_dir, args.threads, args.clock, args.batch, venv=args.pace_venv, kv_cache=args.pace_kv_cache))
+            for kv, wait in [(kv, wait) for kv in args.pace_kv_cache for wait in args.pace_omp_wait]:
+                name = "PACE " + kv + (f" {wait}" if len(args.pace_omp_wait) > 1 else "")
+                _try_peer(backends, unavailable, name, lambda kv=kv, wait=wait, name=name: peers.pace_backend(
+                    hf_dir, args.threads, args.clock, args.batch, venv=args.pace_venv, kv_cache=kv,
+                    omp_wait="" if wait == "unset" else wait, name=name))
         batched.update(b.name for b in backends)
         return {"title": f"{case} ({shape}, random weights): {CASES[case]}", "weights": f"{gb:.2f} GB of bf16 weights",
                 "gb": gb, "vocab": vocab, "backends": backends, "batched": batched, "unavailable": unavailable}
@@ -312,7 +321,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--llama-cpp-venv", default=str(peers.venv_path("llama.cpp")))
     p.add_argument("--vllm-venv", default=str(peers.venv_path("vllm")))
     p.add_argument("--pace-venv", default=str(peers.venv_path("pace")))
-    p.add_argument("--pace-kv-cache", default="dynamic", choices=["dynamic", "bmc", "slab_pool", "paged"])
+    p.add_argument("--pace-kv-cache", nargs="+", default=["bmc"], choices=list(peers.PACE_KV_CACHES),
+                   help="PACE rows, one per KV cache type (default: bmc, as PACE's own offline benchmark config)")
+    p.add_argument("--pace-omp-wait", nargs="+", default=["active"], choices=["active", "passive", "unset"],
+                   help="OMP_WAIT_POLICY of the PACE workers (default: active, PACE's performance guide); "
+                        "several: a row per value")
     p.add_argument("--matmul-rate", action="store_true",
                    help="also measure this CPU's fp32 torch.mm rate at prefill shapes (matmul_rate.py)")
     p.add_argument("--work-dir", help="keep and reuse checkpoints here (default: a temporary folder)")

@@ -4,7 +4,9 @@ Only started where the CPU has avx512f and avx512_bf16 (PACE 1.3 requires them);
 benchmark prints "needs AVX-512 BF16" instead.
 
 Protocol: ``worker_protocol.py``. Load options: "path" (a Hugging Face folder), "threads", "dtype",
-"kv_cache" (a ``pace.llm.KVCacheType`` value: dynamic, bmc, slab_pool, paged).
+"kv_cache" (a ``pace.llm.KVCacheType`` value: dynamic, bmc, slab_pool, paged); operator backends are
+PACE's defaults (``OperatorConfig().finalize``: TPP linears / MLP / LM head, JIT norm, and the cache type's
+attention). The environment (threads, OpenMP wait policy) is set by ``peers.pace_backend``.
 
 PACE's offline API (``pace.llm.LLMModel(path, dtype=..., kv_cache_type=...)``, then
 ``generate(token ids [B, L], SamplingConfig(...))``) runs one batch to completion: a prefill
@@ -12,7 +14,8 @@ PACE's offline API (``pace.llm.LLMModel(path, dtype=..., kv_cache_type=...)``, t
 wraps ``_decode_forward`` to note when the first decode step starts: "full" is the whole
 ``generate`` call, "decode" the time from the first decode step to the end (n - 1 steps). All
 prompts of a batch have the same length (no padding). ``min_new_tokens = max_new_tokens = n``
-keeps EOS from ending a sequence early.
+keeps EOS from ending a sequence early; a call that ran other than n - 1 decode steps, or returned other
+than n new tokens per prompt, is an error.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class PaceWorker:
         def timed_decode_forward(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             if self._first_decode is None:
                 self._first_decode = self.clock()
+            self._steps += 1
             return decode_forward(*args, **kwargs)
 
         generator._decode_forward = timed_decode_forward
@@ -54,11 +58,15 @@ class PaceWorker:
 
         config = SamplingConfig(max_new_tokens=n, min_new_tokens=n, ignore_eos=True, do_sample=False)
         ids = torch.tensor(prompts, dtype=torch.long)
-        self._first_decode = None
+        self._first_decode, self._steps = None, 0
         t0 = self.clock()
-        self.model.generate(ids, config)
+        out = self.model.generate(ids, config)
         t2 = self.clock()
         t1 = self._first_decode if self._first_decode is not None else t2
+        shape = tuple(out.output_token_ids.shape)
+        if self._steps != n - 1 or shape != (len(prompts), len(prompts[0]) + n):
+            raise RuntimeError(f"PACE ran {self._steps} decode steps, output {shape}; expected {n - 1} steps, "
+                               f"output {(len(prompts), len(prompts[0]) + n)}")
         return t2 - t0, t2 - t1
 
     def prefill(self, tokens: list[int]) -> float:

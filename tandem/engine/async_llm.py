@@ -219,10 +219,12 @@ class AsyncLLM(OutputLoopMixin):
         return self.processor.tokenize(prompt)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                    tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
-        """The templated chat prompt (``tools`` rendered by the template) and its token ids.
-        Raises: PromptError (template, empty, too long)."""
-        text = self.processor.apply_chat_template(messages, add_generation_prompt, tools=tools)
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+        """The templated chat prompt (``tools`` and ``template_kwargs`` handed to the template) and its
+        token ids. Raises: PromptError (template, empty, too long)."""
+        text = self.processor.apply_chat_template(messages, add_generation_prompt, tools=tools,
+                                                  template_kwargs=template_kwargs)
         return text, self.processor.chat_prompt_ids(text)
 
     def count_tokens(self, text_or_messages: str | list[dict[str, str]], add_special_tokens: bool = True,

@@ -90,8 +90,9 @@ class DataParallelLLM:
         return self.first.tokenize(prompt)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                    tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
-        return self.first.render_chat(messages, add_generation_prompt, tools)
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+        return self.first.render_chat(messages, add_generation_prompt, tools, template_kwargs)
 
     def count_tokens(self, text_or_messages: str | list[dict[str, str]], add_special_tokens: bool = True,
                      add_generation_prompt: bool = True) -> list[int]:

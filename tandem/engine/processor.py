@@ -216,9 +216,12 @@ class InputProcessor:
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
         chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """Renders chat ``messages`` with the model's chat template (or ``chat_template``) into text;
-        ``tools`` (OpenAI function specs) are handed to the template as transformers does.
+        ``tools`` (OpenAI function specs) are handed to the template as transformers does, and
+        ``template_kwargs`` (vLLM's ``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``) as extra
+        template variables.
 
         The first request with ``tools`` also renders its messages without them: a template that
         ignores ``tools`` is logged as a WARNING, once per template.
@@ -234,7 +237,7 @@ class InputProcessor:
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, chat_template=template, tokenize=False,
-                add_generation_prompt=add_generation_prompt, tools=tools,
+                add_generation_prompt=add_generation_prompt, tools=tools, **(template_kwargs or {}),
             )
             if tools and template not in self._tools_checked:
                 self._check_renders_tools(text, messages, add_generation_prompt, template)

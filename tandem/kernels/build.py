@@ -69,11 +69,13 @@ def _avx2_files(suffix: str) -> tuple[str, ...]:
 AVX512_BF16 = Variant(
     name="avx512_bf16",
     sources=("bindings.cpp", "linear_bf16.cpp", "linear_quant.cpp", "paged_attention.cpp", "elementwise.cpp",
-             "threads.cpp", "decoder_layer.cpp"),
-    headers=("vec.h", "gemm_tile.h"),
+             "threads.cpp", "decoder_layer.cpp", "avx2/parallel.cpp"),
+    headers=("vec.h", "gemm_tile.h", "avx2/parallel.h"),
     cflags=("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
             "-mf16c"),
     required_cpu_flags=("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
+    # NOTE: both variants now hold the worker team (avx2/parallel.cpp); each binds to its own copy
+    ldflags=LDFLAGS + ("-Wl,-Bsymbolic",),
 )
 # Haswell / Zen 1 and later: 256-bit FMA, fp16 conversions; bf16 is widened to fp32 in registers.
 # NOTE: -Bsymbolic binds the library's calls to its own definitions even if another variant with the

@@ -85,6 +85,12 @@ DESCRIPTIONS = {"avx512_bf16": "AVX-512 BF16 + VNNI", "avx2": "AVX2+FMA+F16C", "
 TORCH_COST = "decode is 3-5x slower than with the avx2/avx512_bf16 kernels"
 
 
+def routed_variants() -> list[str]:
+    """The variants other than the selected one that run some operator here (``ROUTES``), sorted."""
+    variant = build.selected_variant()
+    return sorted({to for routes in ROUTES.values() for frm, to in routes.items() if frm == variant and to != variant})
+
+
 def selected() -> str:
     """The backend of this process: the loaded variant's name, or ``torch`` when none runs."""
     return build.selected_variant() or "torch"

@@ -2,11 +2,13 @@
 
 Requests accept the OpenAI fields plus vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``request_id``, ``prompt_logprobs``,
-``structured_outputs``); unknown fields are ignored, as OpenAI and vLLM do. Structured output comes
+``structured_outputs``, and on chat ``chat_template_kwargs``: extra chat-template variables, e.g. Qwen3's
+``enable_thinking``); unknown fields are ignored, as OpenAI and vLLM do. Structured output comes
 from OpenAI's ``response_format`` (``json_object``, ``json_schema``) or vLLM's ``structured_outputs``
 (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) on both endpoints. Fields that Tandem
 knows but cannot honour (``logit_bias``, ``suffix``, ``best_of``, legacy ``functions``, vLLM's older
-``guided_*`` fields) are refused with a 400 naming the field instead of being silently dropped.
+``guided_*`` fields, and on chat vLLM's ``chat_template``, ``documents``, ``continue_final_message`` and
+``echo``) are refused with a 400 naming the field instead of being silently dropped.
 """
 
 from __future__ import annotations
@@ -285,11 +287,20 @@ class ChatMessage(OpenAIModel):
         return message
 
 
+# Parameters of transformers' apply_chat_template (and the names Tandem passes itself): not template variables.
+_CHAT_TEMPLATE_PARAMETERS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens", "kwargs"})
+
+
 class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``."""
 
     unsupported: ClassVar[tuple[str, ...]] = (*SamplingRequest.unsupported, "functions", "function_call",
-                                              "prediction", "audio")
+                                              "prediction", "audio", "chat_template", "documents")
+    # NOTE: vLLM's boolean extras Tandem does not honour: true is refused (400), false is the default.
+    unsupported_flags: ClassVar[tuple[str, ...]] = ("continue_final_message", "echo")
     messages: list[ChatMessage] = checked(..., minItems=1)
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
@@ -302,6 +313,30 @@ class ChatCompletionRequest(SamplingRequest):
     prediction: Any = None
     audio: Any = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra variables for the chat template
+    chat_template: Any = None
+    documents: Any = None
+    continue_final_message: bool = False
+    echo: bool = False
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A key that is a parameter of transformers' ``apply_chat_template`` (``tokenize``,
+        ``add_generation_prompt``, ``tools``, ...) would change how Tandem renders, not the template's
+        variables: refused, as is a key that is not a Python identifier."""
+        for key in value or {}:
+            if key in _CHAT_TEMPLATE_PARAMETERS or not key.isidentifier():
+                raise PydanticCustomError("template_kwarg", "{detail}", {"detail": f"may not set {key!r}"})
+        return value
+
+    def refuse_unsupported(self) -> None:
+        """Raises: SamplingParamsError for the first of ``unsupported`` given a value, or of
+        ``unsupported_flags`` set to true."""
+        super().refuse_unsupported()
+        for name in self.unsupported_flags:
+            if getattr(self, name):
+                raise SamplingParamsError(f"{name} is not supported", name)
 
     def sampling_params(self, defaults: SamplingParams) -> SamplingParams:
         """``max_completion_tokens`` (OpenAI's newer name) wins over ``max_tokens``; errors name the one given.

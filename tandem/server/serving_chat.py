@@ -53,7 +53,7 @@ class OpenAIServingChat:
                 the prompt is empty or too long to ever fit.
         """
         return self.engine.render_chat(request.template_messages(), request.add_generation_prompt,
-                                       request.template_tools())
+                                       request.template_tools(), request.chat_template_kwargs)
 
     async def create(self, request: ChatCompletionRequest, arrival_time: float | None = None
                      ) -> JSONResponse | StreamingResponse:

@@ -243,7 +243,9 @@ def bind_engine_threads(cpus: list[int]) -> str:
 
     First every thread of the process is restricted to ``cpus`` (ZeroMQ, tokenizer or loader
     threads included); then, with the compiled kernels, ``threads.cpp`` runs one OpenMP region in
-    which thread i pins itself to ``cpus[i]``. Without the kernels only the process-wide mask applies.
+    which thread i pins itself to ``cpus[i]``; the variants the selected one routes operators to
+    (``registry.routed_variants``: avx2 on avx512_bf16) get the same binding, so their worker team pins
+    worker i to ``cpus[i]``. Without the kernels only the process-wide mask applies.
     Returns "per-thread" or "process". Changes: torch's thread count and the OS affinity of the threads.
 
     Raises:
@@ -251,7 +253,7 @@ def bind_engine_threads(cpus: list[int]) -> str:
     """
     import torch
 
-    from tandem.kernels import registry
+    from tandem.kernels import build, registry
     from tandem.kernels.build import load_extension
 
     try:
@@ -262,6 +264,13 @@ def bind_engine_threads(cpus: list[int]) -> str:
     if not registry.use("bind_omp_threads"):
         return "process"
     load_extension().bind_omp_threads(cpus)
+    # NOTE: each variant's library keeps its own copy of threads.cpp's binding, and the avx2 worker team
+    # (csrc/avx2/parallel.cpp) pins its workers from its own copy; on avx512_bf16 the operators routed to the
+    # avx2 build (registry.ROUTES: K-quant linears, MoE, argmax) ran on an unpinned team without this
+    for variant in registry.routed_variants():
+        module = build.load_variant(variant)
+        if module is not None and hasattr(module, "bind_omp_threads"):
+            module.bind_omp_threads(cpus)
     return "per-thread"
 
 

@@ -15,6 +15,7 @@ import pytest
 from tandem import kernels
 from tandem.cli import build_parser, engine_config_from_args
 from tandem.config import ConfigError, EngineConfig
+from tandem.kernels import build
 from tandem.worker.cpu_env import AUTO_RESERVE_MIN_CORES, CpuPlan, parse_cpu_list, plan_cpus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,6 +124,41 @@ def test_each_openmp_thread_is_pinned_to_its_core():
     # every other thread of the process is held to the engine's cores
     for cpus in out["tasks"].values():
         assert set(parse_cpu_list(cpus)) <= set(cores)
+
+
+TEAM_PROBE = r"""
+import json, sys, torch
+from tandem.kernels import build
+from tandem.worker.cpu_env import configure_threads, omp_thread_cpus, thread_ids
+configure_threads(None, sys.argv[1])
+avx2 = build.load_variant("avx2")
+x, w = torch.randn(1, 1024).bfloat16(), torch.randn(4096, 1024).bfloat16()
+for _ in range(3):
+    avx2.linear_bf16(x, w, None)  # runs on the avx2 build's own worker team (csrc/avx2/parallel.cpp)
+def allowed(tid):
+    for line in open(f"/proc/self/task/{tid}/status"):
+        if line.startswith("Cpus_allowed_list:"):
+            return line.split(":", 1)[1].strip()
+omp = {int(t) for t in omp_thread_cpus()}
+print(json.dumps({"selected": build.selected_variant(),
+                  "others": [allowed(t) for t in thread_ids() if t not in omp]}))
+"""
+
+
+@pytest.mark.skipif(len(ALLOWED) < 2, reason="needs 2 allowed cores to tell a pinned worker from the process mask")
+@pytest.mark.skipif(build.variant_unsupported_reason("avx2") is not None or not kernels.available("bind_omp_threads"),
+                    reason=f"avx2 kernels unavailable: {build.variant_unsupported_reason('avx2')}")
+def test_the_avx2_worker_team_is_pinned_whichever_variant_is_selected():
+    """On avx512_bf16 the routed operators (K-quants, MoE, argmax) run on the avx2 build's worker team,
+    whose binding lives in that library: its worker 1 must be on cores[1] only, as on an AVX2 CPU."""
+    cores = ALLOWED[-2:]
+    proc = subprocess.run([sys.executable, "-c", TEAM_PROBE, cpu_list_text(cores)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    # the team's worker (not an OpenMP thread) runs on cores[1] alone; every other thread within the mask
+    assert str(cores[1]) in out["others"], out
+    assert all(set(parse_cpu_list(c)) <= set(cores) for c in out["others"]), out
 
 
 def test_without_kernels_the_process_is_restricted():

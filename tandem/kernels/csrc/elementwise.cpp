@@ -3,6 +3,8 @@
 // replaces (tandem/models/layers.py): in bf16 every intermediate PyTorch op rounds to bf16, so the
 // kernels round at the same points (round_bf16) and otherwise compute in fp32.
 #include <ATen/Parallel.h>
+
+#include "avx2/parallel.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -35,7 +37,7 @@ inline __m512 round_t(__m512 v) {
 
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t dim, float eps) {
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+  tandem::avx2::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * dim;
       __m512 ss = _mm512_setzero_ps();
@@ -57,7 +59,7 @@ void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t dim, floa
 // place: the "x + attn(...)" of a pre-norm block followed by the next RMSNorm (vLLM's fused_add_rms_norm).
 template <typename T>
 void add_rms_norm_rows(T* x, T* res, const T* w, int64_t rows, int64_t dim, float eps) {
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+  tandem::avx2::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* xr = x + r * dim;
       T* rr = res + r * dim;
@@ -106,7 +108,7 @@ void rotary_rows(const T* x, int64_t tokens, int64_t heads, int64_t tok_stride, 
 
 template <typename T>
 void silu_mul_rows(const T* x, T* y, int64_t rows, int64_t d) {
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  tandem::avx2::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t i = 0; i < d; i += 16) {
         const __mmask16 m = lane_mask(d - i);

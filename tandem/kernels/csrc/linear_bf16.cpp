@@ -10,9 +10,11 @@
 // from 3 tokens on: 2 accumulators per dot product leave 12 dot products per tile, where the
 // single-accumulator 8x3 tiles before did 24 (README, Performance: measured costs). Products of two bf16
 // values are exact in fp32, so the only rounding is fp32 accumulation and the final
-// round-to-nearest-even to bf16 (as oneDNN does). Threads split the rows (at::parallel_for, torch's
-// OpenMP pool): each reads a contiguous slice.
+// round-to-nearest-even to bf16 (as oneDNN does). Threads split the rows (tandem::avx2::parallel_for: the
+// worker team of avx2/parallel.cpp, shared by both variants): each reads a contiguous slice.
 #include <ATen/Parallel.h>
+
+#include "avx2/parallel.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
@@ -47,7 +49,7 @@ template <int MB, int RB>
 static void tiled(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, int64_t K,
                    const tandem::Output& out) {
   const int64_t tiles = N / RB;
-  at::parallel_for(0, tiles, 64 / RB, [&](int64_t begin, int64_t end) {
+  tandem::avx2::parallel_for(0, tiles, 64 / RB, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(M * RB);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t row0 = t * RB;
@@ -81,7 +83,7 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bia
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   if (M <= 2) {  // memory-bound: one sequential row stream at a time (see dot_row)
-    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    tandem::avx2::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
       float acc[2];
       for (int64_t n = begin; n < end; ++n) {
         if (M == 1)

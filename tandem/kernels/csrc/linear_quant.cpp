@@ -17,6 +17,8 @@
 // issue 11 item 5): several tokens cost about 1 + 0.6 (M - 1) one-token calls of compute, instead of a
 // dequantized bf16 tile (the kernels before, whose reduction order differed from one token's).
 #include <ATen/Parallel.h>
+
+#include "avx2/parallel.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
@@ -49,7 +51,7 @@ constexpr int64_t kTokenBlock = 64;  // at most this many tokens per block (see 
 template <typename RowFn>
 void for_token_tiles(int64_t M, int64_t N, int64_t token_bytes, const tandem::Output& out, const RowFn& row_fn) {
   const int64_t block = std::max<int64_t>(4, std::min<int64_t>(kTokenBlock, (32768 / token_bytes) / 4 * 4));
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+  tandem::avx2::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     float acc[kTokenBlock];
     for (int64_t b0 = 0; b0 < M; b0 += block) {
       const int64_t bm = std::min(block, M - b0);
@@ -538,7 +540,7 @@ at::Tensor dequantize(at::Tensor qweight, at::Tensor scale) {
     const int8_t* q = qweight.data_ptr<int8_t>();
     const float* s = scale.data_ptr<float>();
     at::BFloat16* out = w.data_ptr<at::BFloat16>();
-    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    tandem::avx2::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n)
         for (int64_t k = 0; k < K; k += 16) {
           const __mmask16 m = lane_mask(K - k);
@@ -554,7 +556,7 @@ at::Tensor dequantize(at::Tensor qweight, at::Tensor scale) {
   auto w = at::empty({N, K}, qweight.options().dtype(at::kBFloat16));
   const Int4Rows rows{qweight.data_ptr<uint8_t>(), scale.data_ptr<at::Half>(), K};
   auto* out = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  tandem::avx2::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) rows(n, 0, K, out + n * K, -1);
   });
   return w;
@@ -604,7 +606,7 @@ at::Tensor dequantize_rows(const Rows& rows, const at::Tensor& qweight, int64_t 
   const int64_t N = qweight.size(0);
   auto w = at::empty({N, K}, qweight.options().dtype(at::kBFloat16));
   auto* out = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  tandem::avx2::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) rows(n, 0, K, out + n * K, -1);
   });
   return w;

@@ -11,6 +11,8 @@
 // queries taken 16 at a time (each tile sees only the keys up to its last query; a query's bits do not
 // depend on the tiling: batch invariance, prompt rows included).
 #include <ATen/Parallel.h>
+
+#include "avx2/parallel.h"
 #include <ATen/core/Tensor.h>
 
 #include <cmath>
@@ -153,7 +155,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Te
     for (int64_t i0 = 0; i0 < n; i0 += kQueryTile) items.insert(items.end(), {r, i0, std::min(n, i0 + kQueryTile)});
   }
   const int64_t count = static_cast<int64_t>(items.size()) / 3;
-  at::parallel_for(0, count * g.num_kv, 1, [&](int64_t begin, int64_t end) {
+  tandem::avx2::parallel_for(0, count * g.num_kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t* it = items.data() + 3 * (w / g.num_kv);
