@@ -3,8 +3,10 @@ and their bundle ``EngineConfig``."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.config.common import ConfigError, is_int
 from tandem.config.kv import KVEventsConfig, KVTransferConfig
@@ -165,10 +167,36 @@ class SpeculativeConfig:
         if self.quantization not in SELF_QUANT_TYPES:
             raise ConfigError(f"quantization must be one of {SELF_QUANT_TYPES}, got {self.quantization!r}")
 
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> SpeculativeConfig:
+        """A config from a dict with Tandem's field names or vLLM's ``speculative_config`` keys
+        (``model``, ``prompt_lookup_min``, ``prompt_lookup_max``), so a vLLM ``LLM(...,
+        speculative_config={"method": "draft", "model": PATH, ...})`` call runs unchanged.
+
+        Raises:
+            ConfigError: an unknown key, a key given under both names, or an invalid value.
+        """
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in config.items():
+            name = _VLLM_SPECULATIVE_KEYS.get(key, key)
+            if name not in fields:
+                raise ConfigError(f"unknown speculative_config key {key!r}; known: "
+                                  f"{sorted(fields | set(_VLLM_SPECULATIVE_KEYS))}")
+            if name in kwargs:
+                raise ConfigError(f"speculative_config gives {name!r} twice (as {key!r} and its other name)")
+            kwargs[name] = value
+        return cls(**kwargs)
+
     @property
     def uses_draft_model(self) -> bool:
         """True when drafts come from a model with its own KV cache (every method but ngram)."""
         return self.method != "ngram"
+
+# vLLM's speculative_config key -> SpeculativeConfig field.
+_VLLM_SPECULATIVE_KEYS = {"model": "speculative_model", "prompt_lookup_min": "ngram_min",
+                          "prompt_lookup_max": "ngram_max"}
+
 
 @dataclass(frozen=True)
 class EngineConfig:

@@ -66,7 +66,7 @@ class LLM:
         kernel_backend: str | None = None,
     ) -> None:
         if isinstance(speculative_config, dict):
-            speculative_config = SpeculativeConfig(**speculative_config)
+            speculative_config = SpeculativeConfig.from_dict(speculative_config)
         self.config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
                               chat_template=chat_template, quantization=quantization,

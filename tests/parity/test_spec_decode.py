@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from tandem.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from tandem.engine.core import EngineCore
 from tandem.request import Request
 
@@ -264,8 +264,6 @@ def test_tiny_penalties_inside_accepted_runs(tiny_llama_dir):
 def test_draft_with_another_tokenizer_is_rejected(stories_dir, tmp_path):
     import json
 
-    from tandem.config import ConfigError
-
     draft = stories_dir.parent / "drafts" / "ar"
     for name in ("config.json", "model.safetensors", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((draft / name).read_bytes())
@@ -280,3 +278,21 @@ def test_draft_with_another_tokenizer_is_rejected(stories_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(str(stories_dir), dtype="float32", progress=False,
             speculative_config={"method": "draft", "speculative_model": str(tmp_path / "nope")})
+
+
+def test_vllm_speculative_config_keys(stories_dir, stories_reference):
+    """vLLM's ``speculative_config`` names (``model``, ``prompt_lookup_min/max``) run unchanged (they were a
+    TypeError); an unknown key, or one given under both names, is a ConfigError naming it."""
+    drafts = stories_dir.parent / "drafts"
+    llm = LLM(str(stories_dir), dtype="float32", progress=False, num_threads=1,
+              speculative_config={"method": "draft", "model": str(drafts / "ar"), "num_speculative_tokens": 3})
+    assert llm.config.speculative.speculative_model == str(drafts / "ar")
+    outs = llm.generate(PROMPTS, STORY_GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [r.token_ids for r in stories_reference]
+    assert all(o.outputs[0].num_draft_tokens > 0 for o in outs)
+    ngram = SpeculativeConfig.from_dict({"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 3})
+    assert (ngram.ngram_min, ngram.ngram_max) == (2, 3)
+    with pytest.raises(ConfigError, match="unknown speculative_config key 'draft_tensor_parallel'"):
+        SpeculativeConfig.from_dict({"method": "ngram", "draft_tensor_parallel": 1})
+    with pytest.raises(ConfigError, match="gives 'ngram_max' twice"):
+        SpeculativeConfig.from_dict({"method": "ngram", "ngram_max": 3, "prompt_lookup_max": 3})
