@@ -122,9 +122,11 @@ inline void dot_row(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K
 // halves, quarters, pairs, then the two lanes). The tiles below (MB tokens x RB rows, kChains
 // accumulators each) keep that order, so a token's value does not depend on how many tokens share the
 // call (issue 11, item 5).
-// NOTE: 2 chains: one token streams from DRAM as fast as with 4 (one chain is vdpbf16ps-latency-bound,
-// 25-35% slower on Zen 5), and a tile of 4 tokens x 3 rows fits 24 accumulators in registers.
-constexpr int kChains = 2;
+// NOTE: 4 chains, the one-token kernel's order from before (one chain is vdpbf16ps-latency-bound, 25-35%
+// slower at one token on Zen 5), so batch-1 decode runs unchanged code; tiles are then 2 tokens x 3 rows
+// (24 accumulators). 2 chains (4x3 tiles, sum8) were faster at 16 tokens but could not be told apart from
+// 4 at one token on the loaded machine of 2026-12-02, so batch 1 kept the measured code.
+constexpr int kChains = 4;
 
 template <int MB, int RB>
 __attribute__((always_inline)) inline void accumulate_tile_chains(const uint16_t* x, int64_t ldx, const uint16_t* w,

@@ -2,12 +2,12 @@
 //
 // Decode reads every weight once per step, so the kernel streams the rows of w in their checkpoint
 // layout (no packing). One or two tokens (memory-bound) read one row at a time (dot_row in
-// gemm_tile.h: a single sequential stream, kChains = 2 accumulators per dot product to hide the
+// gemm_tile.h: a single sequential stream, kChains = 4 accumulators per dot product to hide the
 // vdpbf16ps latency: one accumulator measured 25-35% slower at one token on Zen 5); more tokens use
-// register tiles of 4 tokens x 3 rows (dot_tile_chains), prefetching the next tile. Every path sums a
+// register tiles of 2 tokens x 3 rows (dot_tile_chains), prefetching the next tile. Every path sums a
 // dot product in dot_row<1, kChains>'s order (accumulate_tile_chains), so a (token, row) value has the
 // same bits whatever the number of tokens (batch invariance, issue 11 item 5); the price is compute
-// from 3 tokens on: 2 accumulators per dot product leave 12 dot products per tile, where the
+// from 3 tokens on: 4 accumulators per dot product leave 6 dot products per tile, where the
 // single-accumulator 8x3 tiles before did 24 (README, Performance: measured costs). Products of two bf16
 // values are exact in fp32, so the only rounding is fp32 accumulation and the final
 // round-to-nearest-even to bf16 (as oneDNN does). Threads split the rows (tandem::avx2::parallel_for: the

@@ -50,6 +50,16 @@ constexpr int64_t kTokenBlock = 64;  // at most this many tokens per block (see 
 // acc[0, mb) for tokens m0 .. m0 + mb - 1.
 template <typename RowFn>
 void for_token_tiles(int64_t M, int64_t N, int64_t token_bytes, const tandem::Output& out, const RowFn& row_fn) {
+  if (M == 1) {  // decode at batch 1: rows of ~50 ns, so nothing but the row's kernel and its store
+    tandem::avx2::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        float acc;
+        row_fn(row, 0, 1, &acc);
+        out.store(&acc, 1, 1, row);
+      }
+    });
+    return;
+  }
   const int64_t block = std::max<int64_t>(4, std::min<int64_t>(kTokenBlock, (32768 / token_bytes) / 4 * 4));
   tandem::avx2::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     float acc[kTokenBlock];
