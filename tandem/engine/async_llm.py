@@ -228,10 +228,12 @@ class AsyncLLM(OutputLoopMixin):
         return text, self.processor.chat_prompt_ids(text)
 
     def count_tokens(self, text_or_messages: str | list[dict[str, str]], add_special_tokens: bool = True,
-                     add_generation_prompt: bool = True) -> list[int]:
-        """Token ids for ``/tokenize`` (no length limit). Raises: PromptError (chat template)."""
+                     add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Token ids for ``/tokenize`` (no length limit; messages rendered as ``render_chat`` does).
+        Raises: PromptError (chat template)."""
         if isinstance(text_or_messages, list):
-            text = self.processor.apply_chat_template(text_or_messages, add_generation_prompt)
+            text = self.processor.apply_chat_template(text_or_messages, add_generation_prompt,
+                                                      template_kwargs=template_kwargs)
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         return list(self.tokenizer(text_or_messages, add_special_tokens=add_special_tokens)["input_ids"])
 

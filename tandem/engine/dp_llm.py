@@ -95,8 +95,8 @@ class DataParallelLLM:
         return self.first.render_chat(messages, add_generation_prompt, tools, template_kwargs)
 
     def count_tokens(self, text_or_messages: str | list[dict[str, str]], add_special_tokens: bool = True,
-                     add_generation_prompt: bool = True) -> list[int]:
-        return self.first.count_tokens(text_or_messages, add_special_tokens, add_generation_prompt)
+                     add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        return self.first.count_tokens(text_or_messages, add_special_tokens, add_generation_prompt, template_kwargs)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.first.decode(token_ids)

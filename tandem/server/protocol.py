@@ -294,6 +294,18 @@ _CHAT_TEMPLATE_PARAMETERS = frozenset({
     "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens", "kwargs"})
 
 
+def template_variables(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``chat_template_kwargs`` checked: a key that is a parameter of transformers' ``apply_chat_template``
+    (``tokenize``, ``add_generation_prompt``, ``tools``, ...) would change how Tandem renders, not the
+    template's variables, so it is refused, as is a key that is not a Python identifier.
+
+    Raises: PydanticCustomError (a 400 on ``chat_template_kwargs``)."""
+    for key in value or {}:
+        if key in _CHAT_TEMPLATE_PARAMETERS or not key.isidentifier():
+            raise PydanticCustomError("template_kwarg", "{detail}", {"detail": f"may not set {key!r}"})
+    return value
+
+
 class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``."""
 
@@ -322,13 +334,7 @@ class ChatCompletionRequest(SamplingRequest):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        """A key that is a parameter of transformers' ``apply_chat_template`` (``tokenize``,
-        ``add_generation_prompt``, ``tools``, ...) would change how Tandem renders, not the template's
-        variables: refused, as is a key that is not a Python identifier."""
-        for key in value or {}:
-            if key in _CHAT_TEMPLATE_PARAMETERS or not key.isidentifier():
-                raise PydanticCustomError("template_kwarg", "{detail}", {"detail": f"may not set {key!r}"})
-        return value
+        return template_variables(value)
 
     def refuse_unsupported(self) -> None:
         """Raises: SamplingParamsError for the first of ``unsupported`` given a value, or of
@@ -376,6 +382,12 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = checked(minItems=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # as on chat completions: the same prompt, the same count
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return template_variables(value)
 
 
 class DetokenizeRequest(OpenAIModel):

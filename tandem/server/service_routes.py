@@ -104,7 +104,7 @@ def add_service_routes(app: FastAPI, engine: AsyncLLM, names: ModelNames, metric
         source = body.prompt if body.messages is None else [m.to_template_message(i) for i, m in
                                                             enumerate(body.messages)]
         ids = await engine.run_in_tokenizer(engine.count_tokens, source, body.add_special_tokens,
-                                            body.add_generation_prompt)
+                                            body.add_generation_prompt, body.chat_template_kwargs)
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=error_responses(400, 404))

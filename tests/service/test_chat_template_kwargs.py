@@ -70,3 +70,15 @@ def test_unhonoured_vllm_chat_fields_are_refused(server, field, value):
     # Their defaults stay accepted.
     default = {"chat_template": None, "documents": None, "continue_final_message": False, "echo": False}[field]
     assert chat(server, **{field: default}).status_code == 200
+
+
+def test_tokenize_renders_messages_with_the_same_kwargs(server):
+    """``/tokenize`` with ``messages`` counts the prompt chat completions would build from the same body."""
+    for kwargs in ({"enable_thinking": False}, {"enable_thinking": True}, None):
+        tokenized = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES, "chat_template_kwargs": kwargs},
+                               timeout=60)
+        assert tokenized.status_code == 200, tokenized.text
+        assert tokenized.json()["count"] == chat(server, chat_template_kwargs=kwargs).json()["usage"]["prompt_tokens"]
+    r = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
