@@ -111,8 +111,8 @@ def test_logits_and_greedy_tokens_match_the_dequantized_path(tmp_path, bpe, arch
     # bf16: activations are rounded to bf16 between layers on both paths, which dominates (measured 1.8-2.3%
     # of the float32 logits' norm, bound 4%). On the torch backend with bf16 matmuls both paths round the
     # weights to bf16 (measured equal). The avx2 kernels quantize the activations to int8 per block of 32 at
-    # every token count (llama.cpp's scheme, see kernels.linear_q8_0): measured 2.9-5.7% from float32 (bound 8%) and 3.4-4.8%
-    # from the dequantized bf16 path, so that comparison is skipped there.
+    # every token count (llama.cpp's scheme, see kernels.linear_q8_0): measured 2.9-5.7% from float32 (bound
+    # 8%) and 3.4-4.8% from the dequantized bf16 path, so that comparison is skipped there.
     kept16, deq16 = runner(kept).prompt_logits(PROMPT), runner(dequantized).prompt_logits(PROMPT)
     op = "linear_" + {Q.Q8_0: "q8_0", Q.Q4_0: "int4", Q.Q4_1: "q4_1"}[qtype]
     # NOTE: avx512_bf16's q8_0 quantizes the activations at every token count too (batch invariance), unless
