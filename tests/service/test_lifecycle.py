@@ -89,9 +89,14 @@ def test_requests_that_can_never_be_queued_are_400(server):
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 3
 
 
-def test_core_death_turns_everything_503(server):
-    # NOTE: runs last in this module: it kills the engine core of the shared server.
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+def _frozen_with_one_running_and_one_waiting(server, pool):
+    """Starts a stream and a second request queued behind it, then freezes the engine core (SIGSTOP) and
+    checks that both are still in flight; returns (core, stream future, waiting future).
+
+    NOTE: the core is frozen before it is killed: stories260K writes its 480 tokens in ~0.3 s on a fast CPU,
+    so on a loaded machine the stream could finish (and the queued request start) between the test seeing
+    the queued request and the kill. When that happens, the attempt is let finish and tried again."""
+    for _attempt in range(5):
         running = pool.submit(stream, server, {**LONG, "max_tokens": 480, "stream": True})
         deadline = time.monotonic() + 10
         while metric_samples(server.url)[("tandem:num_requests_running", ())] < 1:
@@ -101,8 +106,24 @@ def test_core_death_turns_everything_503(server):
         while metric_samples(server.url)[("tandem:num_requests_waiting", ())] < 1:
             assert time.monotonic() < deadline, "the second request was never queued"
             time.sleep(0.01)
+        core = server.core_process()
+        core.suspend()
+        time.sleep(0.3)  # NOTE: the front end reads the outputs the core sent before it froze
+        m = metric_samples(server.url)
+        if m[("tandem:num_requests_running", ())] == 1 and m[("tandem:num_requests_waiting", ())] == 1:
+            return core, running, waiting
+        core.resume()
+        running.result(timeout=60)
+        waiting.result(timeout=60)
+    raise AssertionError("the stream finished before the core could be frozen in five attempts")
+
+
+def test_core_death_turns_everything_503(server):
+    # NOTE: runs last in this module: it kills the engine core of the shared server.
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        core, running, waiting = _frozen_with_one_running_and_one_waiting(server, pool)
         aborts_before = len(ABORTED.findall(server.log()))
-        server.core_process().kill()
+        core.kill()
         t0 = time.monotonic()
         r = waiting.result(timeout=10)
         events = running.result(timeout=10)
@@ -118,7 +139,7 @@ def test_core_death_turns_everything_503(server):
     log_deadline = time.monotonic() + 5
     while len(ABORTED.findall(server.log())) - aborts_before < 2 and time.monotonic() < log_deadline:
         time.sleep(0.05)
-    assert len(ABORTED.findall(server.log())) - aborts_before == 2
+    assert len(ABORTED.findall(server.log())) - aborts_before == 2, server.log()[-3000:]
     # The stream had sent its 200 header: it ends with an error event, then [DONE].
     assert events[-1] == "[DONE]" and json.loads(events[-2]) == DIED
     health = httpx.get(f"{server.url}/health", timeout=5)
