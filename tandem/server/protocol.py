@@ -29,6 +29,7 @@ MAX_N = 128  # OpenAI's cap on n; vLLM has none, but n engine requests per promp
 # request is seeded seed + i wrapped into that range (SamplingParams.child_seed), so 2**63 - 1 with n = 2
 # gives the children 2**63 - 1 and -2**63.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens (legacy OpenAI API, vLLM)
 INT32_MAX = 2**31 - 1  # token counts, token ids and top_k are far below it
 # A token id of the model: the document's maximum (vocabulary size - 1) is filled in by openapi.py.
 VOCAB_ID = "x-tandem-token-id"
@@ -210,13 +211,16 @@ class SamplingRequest(OpenAIModel):
 
 
 class CompletionRequest(SamplingRequest):
-    """``POST /v1/completions``. ``max_tokens`` absent or null: up to the context limit; 0 (with ``echo``)
-    returns the prompt alone, with its logprobs when ``logprobs`` is set (the legacy OpenAI API, vLLM)."""
+    """``POST /v1/completions``. ``max_tokens`` absent: 16 (the legacy OpenAI API's default and vLLM's), checked
+    against the context like a given value; null: up to the context limit (vLLM); 0 (with ``echo``) returns
+    the prompt alone, with its logprobs when ``logprobs`` is set (the legacy OpenAI API, vLLM)."""
 
     unsupported: ClassVar[tuple[str, ...]] = (*SamplingRequest.unsupported, "suffix")
     prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(json_schema_extra={"minItems": 1})] | TokenIds | \
         Annotated[list[TokenIds], Field(json_schema_extra={"minItems": 1})]
-    max_tokens: TokenCount | None = checked(minimum=0)  # NOTE: 0 only with echo (a 400 otherwise)
+    # NOTE: 0 only with echo (a 400 otherwise). The default applies only when the field is absent: an
+    # explicit null keeps meaning "up to the context limit", as in vLLM.
+    max_tokens: TokenCount | None = checked(DEFAULT_COMPLETION_MAX_TOKENS, minimum=0)
     echo: bool = False
     logprobs: NumLogprobs | None = None
     best_of: int | None = None

@@ -114,10 +114,35 @@ def test_usage_equals_tokenizer_counts_and_default_max_tokens(client, tokenizer)
                                     extra_body={"ignore_eos": True})
     assert out.usage.prompt_tokens == len(tokenizer(prompt)["input_ids"])
     assert out.usage.completion_tokens == 9
-    # max_tokens absent: generate up to the context limit (512).
+    # max_tokens null: generate up to the context limit (512), as vLLM does.
     ids = [1] + [400] * 499
-    out = client.completions.create(model=MODEL, prompt=ids, temperature=0, extra_body={"ignore_eos": True})
+    out = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=None,
+                                    extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 12 and out.choices[0].finish_reason == "length"
+    # max_tokens absent: 16, checked against the context like a given value (OpenAI's and vLLM's 400).
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=ids, temperature=0, extra_body={"ignore_eos": True})
+    assert e.value.status_code == 400 and e.value.body["param"] == "prompt"
+    assert "516 tokens (500 in the prompt, 16 in the completion)" in e.value.body["message"]
+
+
+def test_completion_max_tokens_default_is_16(client, golden, tokenizer):
+    """Absent max_tokens: 16 tokens (the legacy OpenAI API's and vLLM's default), the golden greedy ones."""
+    case = golden["Once upon a time"]
+    assert len(case["greedy_token_ids"]) > 16 and tokenizer.eos_token_id not in case["greedy_token_ids"][:16]
+    out = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0)
+    prompt_text = tokenizer.decode(case["prompt_token_ids"], skip_special_tokens=True)
+    full = tokenizer.decode(case["prompt_token_ids"] + case["greedy_token_ids"][:16], skip_special_tokens=True)
+    assert out.choices[0].text == full[len(prompt_text):]
+    assert out.usage.completion_tokens == 16 and out.choices[0].finish_reason == "length"
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 16 and chunks[-2].choices[0].finish_reason == "length"
+    # Chat keeps its default: up to the context limit (512 tokens).
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 512 - chat.usage.prompt_tokens
+    assert chat.choices[0].finish_reason == "length"
 
 
 # ---- chat ----
