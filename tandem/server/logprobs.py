@@ -35,6 +35,11 @@ def token_text(tokenizer: Any, token_id: int, logprob: Any = None) -> str:
     return decoded if decoded is not None else tokenizer.decode([token_id])
 
 
+def token_id_text(token_id: int) -> str:
+    """vLLM's ``return_tokens_as_token_ids`` rendering of a token: ``"token_id:{id}"``."""
+    return f"token_id:{token_id}"
+
+
 def _top(position: PositionLogprobs, num: int) -> list[tuple[int, Any]]:
     """The ``num`` most likely entries of one position, by rank."""
     return sorted(position.items(), key=lambda kv: kv[1].rank)[:num]
@@ -42,7 +47,7 @@ def _top(position: PositionLogprobs, num: int) -> list[tuple[int, Any]]:
 
 def completion_logprobs(
     tokenizer: Any, token_ids: list[int], positions: list[PositionLogprobs | None], num: int, text_offset: int,
-    prompt: EchoOffsets = None,
+    prompt: EchoOffsets = None, as_token_ids: bool = False,
 ) -> tuple[CompletionLogprobs, int]:
     """Completions ``logprobs`` for these tokens; ``text_offset`` is the character offset of the
     first one. Returns the object and the offset after the last token. ``text_offset[i]`` is where
@@ -54,6 +59,10 @@ def completion_logprobs(
     ``top_logprobs`` holds the ``num`` most likely tokens plus the chosen one (OpenAI: up to
     ``logprobs + 1`` entries). A None position (the prompt's first token, under ``echo``) gives a
     null logprob and null top (OpenAI's format). -inf is sent as -9999.0.
+
+    ``as_token_ids`` (vLLM's ``return_tokens_as_token_ids``): ``tokens`` and the ``top_logprobs`` keys are
+    ``"token_id:{id}"``; ``text_offset`` still indexes the text. NOTE: vLLM advances its offsets by the
+    length of the ``token_id:`` string instead; Tandem keeps them pointing into the returned text.
     """
     out = CompletionLogprobs()
     prompt_offsets, prompt_chars = prompt if prompt is not None else ([], 0)
@@ -67,11 +76,12 @@ def completion_logprobs(
             chosen = position[token_id]  # NOTE: each position holds the chosen token plus the top-N
             text = token_text(tokenizer, token_id, chosen)
             out.token_logprobs.append(max(chosen.logprob, MIN_LOGPROB))
-            top = {token_text(tokenizer, t, lp): max(lp.logprob, MIN_LOGPROB) for t, lp in _top(position, num)}
+            top = {token_id_text(t) if as_token_ids else token_text(tokenizer, t, lp): max(lp.logprob, MIN_LOGPROB)
+                   for t, lp in _top(position, num)}
             if chosen.rank > num:
-                top.setdefault(text, max(chosen.logprob, MIN_LOGPROB))
+                top.setdefault(token_id_text(token_id) if as_token_ids else text, max(chosen.logprob, MIN_LOGPROB))
             out.top_logprobs.append(top)
-        out.tokens.append(text)
+        out.tokens.append(token_id_text(token_id) if as_token_ids else text)
         if i < len(prompt_offsets):
             out.text_offset.append(text_offset + prompt_offsets[i])
         else:
@@ -90,18 +100,24 @@ def prompt_logprobs_json(prompt_logprobs: PromptLogprobs | None) -> PromptLogpro
 
 
 def chat_logprobs(
-    tokenizer: Any, token_ids: list[int], positions: list[PositionLogprobs], num: int
+    tokenizer: Any, token_ids: list[int], positions: list[PositionLogprobs], num: int, as_token_ids: bool = False,
 ) -> ChatLogprobs:
-    """Chat ``logprobs.content``: one entry per token, each with its ``num`` top alternatives."""
+    """Chat ``logprobs.content``: one entry per token, each with its ``num`` top alternatives.
+
+    ``as_token_ids`` (vLLM's ``return_tokens_as_token_ids``): every ``token`` is ``"token_id:{id}"``. As in
+    vLLM, the sampled token's ``bytes`` stay those of its text, while an alternative's are those of the
+    ``token_id:`` string shown for it.
+    """
     content = []
     for token_id, position in zip(token_ids, positions, strict=False):
         sampled = position[token_id]
         text = token_text(tokenizer, token_id, sampled)
         top = []
         for t, lp in _top(position, num):
-            alt = token_text(tokenizer, t, lp)
+            alt = token_id_text(t) if as_token_ids else token_text(tokenizer, t, lp)
             top.append(ChatTopLogprob(token=alt, logprob=lp.logprob, bytes=list(alt.encode("utf-8"))))
         content.append(ChatTokenLogprob(
-            token=text, logprob=sampled.logprob, bytes=list(text.encode("utf-8")), top_logprobs=top,
+            token=token_id_text(token_id) if as_token_ids else text, logprob=sampled.logprob,
+            bytes=list(text.encode("utf-8")), top_logprobs=top,
         ))
     return ChatLogprobs(content=content)

@@ -2,13 +2,14 @@
 
 Requests accept the OpenAI fields plus vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``request_id``, ``prompt_logprobs``,
-``structured_outputs``, and on chat ``chat_template_kwargs``: extra chat-template variables, e.g. Qwen3's
-``enable_thinking``); unknown fields are ignored, as OpenAI and vLLM do. Structured output comes
-from OpenAI's ``response_format`` (``json_object``, ``json_schema``) or vLLM's ``structured_outputs``
-(``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) on both endpoints. Fields that Tandem
-knows but cannot honour (``logit_bias``, ``suffix``, ``best_of``, legacy ``functions``, vLLM's older
-``guided_*`` fields, and on chat vLLM's ``chat_template``, ``documents``, ``continue_final_message`` and
-``echo``) are refused with a 400 naming the field instead of being silently dropped.
+``structured_outputs``, ``return_tokens_as_token_ids``, and on chat ``chat_template_kwargs``: extra
+chat-template variables, e.g. Qwen3's ``enable_thinking``); unknown fields are ignored, as OpenAI and
+vLLM do. Structured output comes from OpenAI's ``response_format`` (``json_object``, ``json_schema``)
+or vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) on
+both endpoints. Fields that Tandem knows but cannot honour (``logit_bias``, ``suffix``, ``best_of``,
+legacy ``functions``, vLLM's older ``guided_*`` fields, and on chat vLLM's ``chat_template``,
+``documents``, ``continue_final_message`` and ``echo``) are refused with a 400 naming the field
+instead of being silently dropped.
 """
 
 from __future__ import annotations
@@ -133,6 +134,8 @@ class SamplingRequest(OpenAIModel):
     guided_grammar: Any = None
     guided_decoding_backend: Any = None
     prompt_logprobs: NumLogprobs | None = None
+    # vLLM's: logprobs show each token as "token_id:{id}" (tandem/server/logprobs.py)
+    return_tokens_as_token_ids: bool | None = None
     allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None

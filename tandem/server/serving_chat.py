@@ -87,7 +87,7 @@ class OpenAIServingChat:
         if request.stream:
             return event_stream(self._stream(request, request_id, created, model, streams[0], params, plan))
         (out,) = await final_outputs(streams)
-        choices = [self._choice(c, params, plan) for c in sorted(out.outputs, key=lambda c: c.index)]
+        choices = [self._choice(request, c, params, plan) for c in sorted(out.outputs, key=lambda c: c.index)]
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         usage = UsageInfo.of(len(ids), completion_tokens, out.num_cached_tokens)
         response = ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
@@ -95,15 +95,17 @@ class OpenAIServingChat:
                                           prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs))
         return JSONResponse(response.model_dump())
 
-    def _logprobs(self, c: CompletionOutput, params: SamplingParams) -> Any:
+    def _logprobs(self, request: ChatCompletionRequest, c: CompletionOutput, params: SamplingParams) -> Any:
         if params.logprobs is None:
             return None
-        return chat_logprobs(self.tokenizer, c.token_ids, c.logprobs or [], params.logprobs)
+        return chat_logprobs(self.tokenizer, c.token_ids, c.logprobs or [], params.logprobs,
+                             bool(request.return_tokens_as_token_ids))
 
-    def _choice(self, c: CompletionOutput, params: SamplingParams, plan: ToolPlan) -> ChatChoice:
+    def _choice(self, request: ChatCompletionRequest, c: CompletionOutput, params: SamplingParams,
+                plan: ToolPlan) -> ChatChoice:
         content, calls = extract_calls(plan, c.text)
         message = ChatResponseMessage(content=content, tool_calls=[call.to_openai() for call in calls])
-        return ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c, params),
+        return ChatChoice(index=c.index, message=message, logprobs=self._logprobs(request, c, params),
                           finish_reason=finish_reason(plan, calls, c.finish_reason))
 
     def _chunk(self, request_id: str, created: int, model: str, choices: list[dict[str, Any]],
@@ -132,7 +134,7 @@ class OpenAIServingChat:
                 cached_tokens = out.num_cached_tokens
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
-                    logprobs = self._logprobs(c, params)
+                    logprobs = self._logprobs(request, c, params)
                     # NOTE: one chunk per step with new tokens, even with empty text (as vLLM does).
                     if not c.token_ids and not c.text and c.finish_reason is None:
                         continue

@@ -132,7 +132,8 @@ class OpenAIServingCompletion:
         text, ids, positions, echoed = parts
         logprobs = None
         if params.logprobs is not None:
-            logprobs, offset = completion_logprobs(self.tokenizer, ids, positions, params.logprobs, offset, echoed)
+            logprobs, offset = completion_logprobs(self.tokenizer, ids, positions, params.logprobs, offset, echoed,
+                                                   bool(request.return_tokens_as_token_ids))
         finish_reason = "length" if request.prompt_only and c.finish_reason is not None else c.finish_reason
         shown = prompt_logprobs if request.prompt_logprobs is not None else None  # NOTE: vLLM's field, when asked
         return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason,

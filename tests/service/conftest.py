@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import openai
 import pytest
 from live_server import API_KEY, CHATML, MODEL, Server
+from transformers import AutoTokenizer
 
 
 @pytest.fixture(scope="session")
@@ -28,6 +31,25 @@ def api_server(stories_dir, chat_template_file, tmp_path_factory):
     finally:
         code = s.stop()
     assert code == 0, s.log()
+
+
+@pytest.fixture(scope="session")
+def api_client(api_server):
+    """The official `openai` client of ``api_server`` (no retries)."""
+    return openai.OpenAI(base_url=f"{api_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def stories_tokenizer(stories_dir):
+    return AutoTokenizer.from_pretrained(str(stories_dir))
+
+
+@pytest.fixture(scope="session")
+def golden_cases(stories_dir):
+    """The transformers greedy continuations shipped with stories260K, by prompt (``prompt_token_ids``,
+    ``greedy_token_ids``, ``greedy_text``)."""
+    cases = json.loads((stories_dir / "golden.json").read_text())["cases"]
+    return {c["prompt"]: c for c in cases if c["prompt"]}
 
 
 # Flags of servers that several modules share (``server_pool``): name -> flags.

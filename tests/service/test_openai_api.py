@@ -12,7 +12,6 @@ import httpx
 import openai
 import pytest
 from live_server import API_KEY, AUTH, CHATML, MODEL, sse_data
-from transformers import AutoTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -21,19 +20,18 @@ def server(api_server):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+def client(api_client):
+    return api_client
 
 
 @pytest.fixture(scope="module")
-def tokenizer(stories_dir):
-    return AutoTokenizer.from_pretrained(str(stories_dir))
+def tokenizer(stories_tokenizer):
+    return stories_tokenizer
 
 
 @pytest.fixture(scope="module")
-def golden(stories_dir):
-    cases = json.loads((stories_dir / "golden.json").read_text())["cases"]
-    return {c["prompt"]: c for c in cases if c["prompt"]}
+def golden(golden_cases):
+    return golden_cases
 
 
 def _in_context_text(tokenizer, case):

@@ -1,0 +1,92 @@
+"""vLLM's extensions of the OpenAI API on a live `tandem serve` (stories260K), driven by the official
+`openai` client: ``return_tokens_as_token_ids`` (request) and ``stop_reason`` (each choice).
+
+Token ids are checked against the transformers golden continuation shipped with the model and against
+its tokenizer (the ids decode, in context, to the returned text)."""
+
+from __future__ import annotations
+
+import pytest
+from live_server import CHATML, MODEL
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def case(golden_cases):
+    """The golden greedy continuation of PROMPT: ``prompt_token_ids``, ``greedy_token_ids``."""
+    return golden_cases[PROMPT]
+
+
+def ids_of(tokens: list[str]) -> list[int]:
+    """The ids of ``token_id:{id}`` strings (anything else fails the test)."""
+    assert all(t.startswith("token_id:") for t in tokens), tokens
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def in_context(tokenizer, prompt_ids: list[int], ids: list[int]) -> str:
+    """The text ``ids`` add after ``prompt_ids`` (as the server detokenizes it)."""
+    prompt_text = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    return tokenizer.decode(prompt_ids + ids, skip_special_tokens=True)[len(prompt_text):]
+
+
+# ---- return_tokens_as_token_ids ----
+def test_completion_tokens_as_token_ids(api_client, case, stories_tokenizer):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2)
+    plain = api_client.completions.create(**kwargs).choices[0]
+    out = api_client.completions.create(**kwargs, extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    expected = case["greedy_token_ids"][:6]
+    assert out.logprobs.tokens == [f"token_id:{i}" for i in expected]
+    assert out.text == plain.text == in_context(stories_tokenizer, case["prompt_token_ids"], expected)
+    # Offsets still index the text; values are those of the plain request, rank by rank.
+    assert out.logprobs.text_offset == plain.logprobs.text_offset
+    assert out.logprobs.token_logprobs == plain.logprobs.token_logprobs
+    for token_id, top, plain_top in zip(expected, out.logprobs.top_logprobs, plain.logprobs.top_logprobs,
+                                        strict=True):
+        assert ids_of(list(top))[0] == token_id  # greedy: the chosen token ranks first
+        assert len(set(ids_of(list(top)))) == 2 and list(top.values()) == list(plain_top.values())
+
+
+def test_completion_echo_tokens_as_token_ids(api_client, case):
+    out = api_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=1,
+                                        echo=True, extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    assert out.logprobs.tokens == [f"token_id:{i}" for i in case["prompt_token_ids"] + case["greedy_token_ids"][:3]]
+    assert out.logprobs.top_logprobs[0] is None and out.logprobs.token_logprobs[0] is None  # BOS: nothing before it
+    prompt_ids = case["prompt_token_ids"]
+    for token_id, top in zip(prompt_ids[1:], out.logprobs.top_logprobs[1:len(prompt_ids)], strict=True):
+        top_ids = ids_of(list(top))  # the most likely token, then the prompt's own when it ranks lower
+        assert top_ids in ([token_id], [top_ids[0], token_id]), (token_id, top)
+    for token_id, top in zip(case["greedy_token_ids"][:3], out.logprobs.top_logprobs[len(prompt_ids):], strict=True):
+        assert ids_of(list(top)) == [token_id]
+
+
+def test_chat_tokens_as_token_ids_and_bytes(api_client, stories_tokenizer):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0,
+                  logprobs=True, top_logprobs=2)
+    plain = api_client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    out = api_client.chat.completions.create(**kwargs,
+                                             extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    content, plain_content = out.choices[0].logprobs.content, plain.choices[0].logprobs.content
+    ids = ids_of([entry.token for entry in content])
+    assert len(ids) == 5 and out.choices[0].message.content == plain.choices[0].message.content
+    prompt_ids = stories_tokenizer(stories_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], chat_template=CHATML, tokenize=False,
+        add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    assert in_context(stories_tokenizer, prompt_ids, ids) == out.choices[0].message.content
+    for token_id, entry, plain_entry in zip(ids, content, plain_content, strict=True):
+        # vLLM's rendering: the sampled token's bytes are its text's, an alternative's those of "token_id:N".
+        assert entry.bytes == plain_entry.bytes == list(plain_entry.token.encode("utf-8"))
+        assert entry.logprob == plain_entry.logprob
+        top_ids = ids_of([alt.token for alt in entry.top_logprobs])
+        assert top_ids[0] == token_id and len(set(top_ids)) == 2
+        assert [alt.bytes for alt in entry.top_logprobs] == [list(f"token_id:{t}".encode()) for t in top_ids]
+        assert [alt.logprob for alt in entry.top_logprobs] == [alt.logprob for alt in plain_entry.top_logprobs]
+
+
+def test_chat_stream_tokens_as_token_ids(api_client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0,
+                  logprobs=True, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    full = api_client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    chunks = list(api_client.chat.completions.create(**kwargs, stream=True))
+    streamed = [e.token for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert len(streamed) == 5 and ids_of(streamed) == ids_of([e.token for e in full])
