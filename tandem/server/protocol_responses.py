@@ -1,6 +1,6 @@
 """OpenAI response schemas (pydantic) of completions, chat completions and ``/v1/models``, with vLLM's
-extras (``prompt_logprobs``, ``kv_transfer_params``) and ``usage.prompt_tokens_details.cached_tokens``
-(prefix-cache hits); the request schemas are in ``protocol.py``."""
+extras (``prompt_logprobs``, ``kv_transfer_params``, each choice's ``stop_reason``) and
+``usage.prompt_tokens_details.cached_tokens`` (prefix-cache hits); the request schemas are in ``protocol.py``."""
 
 from __future__ import annotations
 
@@ -46,11 +46,17 @@ class PromptLogprobEntry(BaseModel):
 PromptLogprobsJSON = list[dict[str, PromptLogprobEntry] | None]
 
 
+# vLLM's ``stop_reason`` of a choice: the stop string (str) or stop token id (int) that ended it; None when
+# it ended on EOS, on length, or has not ended (a stream's earlier chunks).
+StopReason = int | str | None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: StopReason = None
     prompt_logprobs: PromptLogprobsJSON | None = None  # vLLM's extra (request field prompt_logprobs)
 
 
@@ -97,6 +103,7 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionResponse(ResponseBase):

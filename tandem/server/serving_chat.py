@@ -106,7 +106,7 @@ class OpenAIServingChat:
         content, calls = extract_calls(plan, c.text)
         message = ChatResponseMessage(content=content, tool_calls=[call.to_openai() for call in calls])
         return ChatChoice(index=c.index, message=message, logprobs=self._logprobs(request, c, params),
-                          finish_reason=finish_reason(plan, calls, c.finish_reason))
+                          finish_reason=finish_reason(plan, calls, c.finish_reason), stop_reason=c.stop_reason)
 
     def _chunk(self, request_id: str, created: int, model: str, choices: list[dict[str, Any]],
                include_usage: bool, usage: UsageInfo | None = None) -> str:
@@ -153,6 +153,8 @@ class OpenAIServingChat:
                     choice = {"index": c.index, "delta": delta,
                               "logprobs": None if logprobs is None else logprobs.model_dump(),
                               "finish_reason": reason}
+                    if reason is not None:  # NOTE: vLLM's field, on the chunk that ends the choice (as vLLM sends it)
+                        choice["stop_reason"] = c.stop_reason
                     yield self._chunk(request_id, created, model, [choice], include_usage)
             if include_usage:
                 n_prompt = len(stream.prompt_token_ids)

@@ -137,6 +137,7 @@ class OpenAIServingCompletion:
         finish_reason = "length" if request.prompt_only and c.finish_reason is not None else c.finish_reason
         shown = prompt_logprobs if request.prompt_logprobs is not None else None  # NOTE: vLLM's field, when asked
         return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason,
+                                stop_reason=None if request.prompt_only else c.stop_reason,
                                 prompt_logprobs=prompt_logprobs_json(shown)), offset
 
     def _response(

@@ -153,7 +153,8 @@ def test_ttft_starts_when_the_handler_got_the_request_and_text_is_detokenized_of
     response = asyncio.run(run())
     assert response.status_code == 200
     assert json.loads(response.body)["choices"] == [
-        {"index": 0, "text": " Once upon", "logprobs": None, "finish_reason": "length", "prompt_logprobs": None}]
+        {"index": 0, "text": " Once upon", "logprobs": None, "finish_reason": "length", "stop_reason": None,
+         "prompt_logprobs": None}]
     assert len(metrics.ttfts) == 1 and metrics.ttfts[0] >= 0.3
     assert threads and all(name.startswith("tandem-detokenizer") for name in threads)
 

@@ -90,3 +90,49 @@ def test_chat_stream_tokens_as_token_ids(api_client):
     chunks = list(api_client.chat.completions.create(**kwargs, stream=True))
     streamed = [e.token for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert len(streamed) == 5 and ids_of(streamed) == ids_of([e.token for e in full])
+
+
+# ---- stop_reason ----
+def first_new(ids: list[int], start: int) -> int:
+    """The first index from ``start`` on whose token does not occur before it (a stop token that ends there)."""
+    return next(i for i in range(start, len(ids)) if ids[i] not in ids[:i])
+
+
+def test_completion_stop_reason(api_client, case):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=64, temperature=0)
+    out = api_client.completions.create(**kwargs, stop=["no such text", "Lily"]).choices[0]
+    assert (out.finish_reason, out.stop_reason) == ("stop", "Lily") and "Lily" not in out.text
+    chunks = list(api_client.completions.create(**kwargs, stop=["Lily"], stream=True))
+    assert [(c.choices[0].finish_reason, c.choices[0].stop_reason) for c in chunks[-2:]] == [
+        (None, None), ("stop", "Lily")]
+    ids = case["greedy_token_ids"]
+    k = first_new(ids, 3)
+    out = api_client.completions.create(**kwargs, extra_body={"stop_token_ids": [ids[k]]})
+    assert (out.choices[0].finish_reason, out.choices[0].stop_reason) == ("stop", ids[k])
+    assert out.usage.completion_tokens == k + 1
+    out = api_client.completions.create(**{**kwargs, "max_tokens": 5}).choices[0]
+    assert (out.finish_reason, out.stop_reason) == ("length", None)
+    chunks = list(api_client.completions.create(**{**kwargs, "max_tokens": 5}, stream=True))
+    assert (chunks[-1].choices[0].finish_reason, chunks[-1].choices[0].stop_reason) == ("length", None)
+
+
+def test_chat_stop_reason(api_client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=40,
+                  temperature=0)
+    plain = api_client.chat.completions.create(**kwargs, logprobs=True,
+                                               extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    assert (plain.finish_reason, plain.stop_reason) == ("length", None)
+    word = plain.message.content.split()[4]
+    out = api_client.chat.completions.create(**kwargs, stop=[word]).choices[0]
+    assert (out.finish_reason, out.stop_reason) == ("stop", word)
+    assert out.message.content == plain.message.content[:plain.message.content.index(word)]
+    chunks = list(api_client.chat.completions.create(**kwargs, stop=[word], stream=True))
+    assert (chunks[-1].choices[0].finish_reason, chunks[-1].choices[0].stop_reason) == ("stop", word)
+    assert all(not hasattr(c.choices[0], "stop_reason") for c in chunks[:-1])  # as vLLM: on the last chunk only
+    ids = ids_of([e.token for e in plain.logprobs.content])
+    k = first_new(ids, 3)
+    out = api_client.chat.completions.create(**kwargs, extra_body={"stop_token_ids": [ids[k]]})
+    assert (out.choices[0].finish_reason, out.choices[0].stop_reason) == ("stop", ids[k])
+    assert out.usage.completion_tokens == k + 1
+    chunks = list(api_client.chat.completions.create(**kwargs, stream=True, extra_body={"stop_token_ids": [ids[k]]}))
+    assert (chunks[-1].choices[0].finish_reason, chunks[-1].choices[0].stop_reason) == ("stop", ids[k])
