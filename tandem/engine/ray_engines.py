@@ -10,15 +10,27 @@ server notices the lost connection (in-flight requests end with 503), asks the r
 its new address and reconnects (``RayCoreSupervisor``, which counts the restart in
 ``tandem:engine_core_restarts_total``).
 
+When the cluster itself goes away (its head's GCS stops answering: ``ray start --head`` killed, the local
+head of ``ray.init`` dead), Ray ends the server's process once its GCS is unreachable for
+``gcs_rpc_server_reconnect_timeout_s`` (60 s by default; ``rpc_client.h``: "Failed to connect to GCS within
+60 seconds ... The program will terminate", exit code 1, on stderr only). ``RayEngines`` instead checks
+the GCS address every second; after ``cluster_lost_after_s`` without an answer it logs one ERROR naming the
+cluster, leaves it (``ray.shutdown``, before Ray's own timeout) and stops reconnecting: each engine whose
+connection drops then answers 503 ``engine_unavailable`` for good (with one engine per node, an engine on
+a node that still runs keeps serving until Ray's own timeout ends it there). The actors are gone with the
+cluster (no GCS fault tolerance here), so a server whose cluster came back must be restarted.
+
 Importing this module does not import ray (``RayEngines`` does; ``pip install 'tandem[ray]'``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
 import secrets
+import signal
 import socket
 import threading
 import time
@@ -27,7 +39,12 @@ from typing import Any
 
 from tandem.config import EngineConfig, ParallelConfig
 from tandem.engine.core_client import EngineCoreStartError
-from tandem.engine.remote_client import RECONNECT_TIMEOUT_S, RemoteCoreSupervisor, RemoteEngineCoreClient
+from tandem.engine.remote_client import (
+    RECONNECT_TIMEOUT_S,
+    EngineCoreGoneError,
+    RemoteCoreSupervisor,
+    RemoteEngineCoreClient,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +52,21 @@ RAY_MAX_RESTARTS = 10  # Ray restarts a dead engine actor this many times (then 
 PLACEMENT_TIMEOUT_S = 120.0  # the cluster must find CPUs for every bundle within this
 JOIN_CONNECT_TIMEOUT_S = 10.0  # a head address must accept a TCP connection within this
 LOAD_TIMEOUT_S = 600.0  # every actor must have loaded its model within this
+CLUSTER_CHECK_INTERVAL_S = 1.0  # how often the server checks that the cluster's GCS accepts a connection
+CLUSTER_LOST_AFTER_S = 10.0  # the cluster counts as lost after this long without (at most a third of Ray's)
+RAY_GCS_TIMEOUT_S = 60.0  # Ray's default gcs_rpc_server_reconnect_timeout_s: a driver exits after this
+
+
+def cluster_lost_after_s(environ: dict[str, str] | None = None) -> float:
+    """Seconds without an answer from the GCS after which the server leaves the cluster: at most
+    ``CLUSTER_LOST_AFTER_S`` and at most a third of Ray's own ``RAY_gcs_rpc_server_reconnect_timeout_s``
+    (so the server leaves before Ray ends it), at least one check interval. No state changes."""
+    value = (os.environ if environ is None else environ).get("RAY_gcs_rpc_server_reconnect_timeout_s", "")
+    try:
+        ray_timeout_s = float(value) if value else RAY_GCS_TIMEOUT_S
+    except ValueError:
+        ray_timeout_s = RAY_GCS_TIMEOUT_S
+    return max(CLUSTER_CHECK_INTERVAL_S, min(CLUSTER_LOST_AFTER_S, ray_timeout_s / 3))
 
 
 class RayCoreSupervisor(RemoteCoreSupervisor):
@@ -43,6 +75,12 @@ class RayCoreSupervisor(RemoteCoreSupervisor):
     (``num_restarts``, ``on_restart``) with the time from the loss to the reconnect (``last_restart_s``).
     A reconnect to the same process (the pid and host of its ``Ready``: an actor starved past the
     heartbeat timeout on a busy machine, not restarted) is logged but not counted, and its cache is kept."""
+
+    def watch(self) -> None:
+        super().watch()
+        engines = getattr(self.start_core, "engines", None)
+        if engines is not None:
+            engines.loop = asyncio.get_running_loop()  # NOTE: where RayEngines restores the signal handlers
 
     async def _restart(self) -> None:
         t0, old = time.monotonic(), self.client
@@ -109,6 +147,14 @@ class ActorEngine:
         self._ready.set()
         logger.info("engine core %d (pid %d) serving on %s", self.rank, os.getpid(), address)
         service.run()
+
+
+def _reinstall_signal_handlers() -> None:
+    """Sets SIGTERM's and SIGINT's Python handlers again at the C level (call in the main thread)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        handler = signal.getsignal(sig)
+        if handler is not None:
+            signal.signal(sig, handler)
 
 
 def _free_port(host: str) -> int:
@@ -201,7 +247,12 @@ class RayEngines:
         self.secret = secrets.token_hex(32).encode()  # NOTE: per server; only its actors learn it
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
+            handler = signal.getsignal(signal.SIGTERM)
             _join(ray, parallel.ray_address)
+            if handler is not None and threading.current_thread() is threading.main_thread():
+                # NOTE: ray.init sets a SIGTERM handler that exits with code 15; the server's own (a graceful
+                # shutdown, exit code 0) must stay.
+                signal.signal(signal.SIGTERM, handler)
         cpus = config.num_threads or max(1, int(ray.cluster_resources().get("CPU", 1)) // self.dp)
         # NOTE: Ray places the actor; pinning to core ids here would be guesswork about its node.
         self.config = dataclasses.replace(config, num_threads=cpus, cpu_bind="none")
@@ -209,6 +260,11 @@ class RayEngines:
         self.actors: list[Any] = []
         self.addresses: list[str] = []
         self.group = None
+        self.lost: str | None = None  # why the cluster counts as lost (then Ray is not used any more)
+        self._ray_lock = threading.Lock()  # NOTE: no Ray call may run while the watch leaves the cluster
+        self._stop = threading.Event()
+        self._watch: threading.Thread | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop (set by RayCoreSupervisor.watch)
 
     def start(self) -> None:
         """Creates the placement group and the actors (which load the model meanwhile).
@@ -253,21 +309,64 @@ class RayEngines:
             for client in clients:
                 client.close()
             raise
+        self._watch = threading.Thread(target=self._watch_cluster, args=(ray.get_runtime_context().gcs_address,),
+                                       name="tandem-ray-cluster-watch", daemon=True)
+        self._watch.start()
         return clients
+
+    def _watch_cluster(self, gcs_address: str) -> None:
+        """Checks every ``CLUSTER_CHECK_INTERVAL_S`` that the GCS at ``gcs_address`` accepts a TCP
+        connection; after ``cluster_lost_after_s()`` of refusals (or timeouts) the cluster is lost:
+        ``lost`` is set, one ERROR logged and the cluster left (``ray.shutdown``: Ray would otherwise end
+        this process; NOTE: leaving takes about 5 s, in ``shutdown_driver``). Runs in its own thread until
+        ``close``. Changes: ``lost``; Ray's connection."""
+        lost_after_s = cluster_lost_after_s()
+        first_failure: float | None = None
+        while not self._stop.wait(CLUSTER_CHECK_INTERVAL_S):
+            why = _unreachable(gcs_address, CLUSTER_CHECK_INTERVAL_S)
+            if why is None:
+                first_failure = None
+                continue
+            now = time.monotonic()
+            first_failure = now if first_failure is None else first_failure
+            if now - first_failure >= lost_after_s:
+                self._leave(f"the Ray cluster at {gcs_address} is unreachable ({why}; for {lost_after_s:.0f} s): its "
+                            "engine actors are lost; the server answers 503 until it is restarted (once the cluster "
+                            "is back)")
+                return
+
+    def _leave(self, reason: str) -> None:
+        with self._ray_lock:
+            self.lost = reason
+            logger.error("%s", reason)
+            try:
+                self.ray.shutdown()
+            except Exception as e:  # noqa: BLE001 - leaving a dead cluster; nothing else to do
+                logger.warning("leaving the lost Ray cluster: %s: %s", type(e).__name__, e)
+        # NOTE: Ray's shutdown_driver resets SIGTERM to its default action (the process would die at the next
+        # SIGTERM instead of shutting down gracefully): the handlers are set again, from the main thread.
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(_reinstall_signal_handlers)
 
     def restarter(self, rank: int) -> Any:
         """Reconnects to actor ``rank`` at its (possibly new) address; raises EngineCoreStartError while
-        Ray is still restarting it (the supervisor retries every second)."""
+        Ray is still restarting it (the supervisor retries every second), EngineCoreGoneError once the
+        cluster is lost (the supervisor stops)."""
 
         def reconnect() -> RemoteEngineCoreClient:
             ray = self.ray
-            try:
-                address = ray.get(self.actors[rank].address.remote(), timeout=RECONNECT_TIMEOUT_S)
-            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
-                raise EngineCoreStartError(f"engine core actor {rank} is not back yet: {type(e).__name__}") from None
+            with self._ray_lock:
+                if self.lost is not None:
+                    raise EngineCoreGoneError(self.lost)
+                try:
+                    address = ray.get(self.actors[rank].address.remote(), timeout=RECONNECT_TIMEOUT_S)
+                except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
+                    raise EngineCoreStartError(f"engine core actor {rank} is not back yet: "
+                                               f"{type(e).__name__}") from None
             self.addresses[rank] = address
             return RemoteEngineCoreClient.connect(address, self.secret, RECONNECT_TIMEOUT_S)
 
+        reconnect.engines = self  # type: ignore[attr-defined]  # NOTE: for RayCoreSupervisor.watch
         return reconnect
 
     def pids(self) -> list[int]:
@@ -278,7 +377,13 @@ class RayEngines:
         return f"Ray actors at {', '.join(self.addresses)}, {self.cpus} CPU(s) each"
 
     def close(self) -> None:
-        """Kills the actors (no restart), removes the placement group, and leaves the cluster."""
+        """Kills the actors (no restart), removes the placement group, and leaves the cluster (nothing
+        once the cluster is lost: it is left already)."""
+        self._stop.set()
+        if self._watch is not None:
+            self._watch.join()
+        if self.lost is not None:
+            return
         ray = self.ray
         for a in self.actors:
             try:

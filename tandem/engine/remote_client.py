@@ -42,6 +42,11 @@ class EngineRefusedError(EngineCoreStartError):
     """The engine core refused this front end (wrong or missing secret, another front end connected)."""
 
 
+class EngineCoreGoneError(EngineCoreStartError):
+    """The engine core will not come back (e.g. the Ray cluster that ran it is gone): the supervisor stops
+    reconnecting and the server answers 503 with this message until it is restarted."""
+
+
 class RemoteEngineCoreClient(EngineCoreClient):
     """A connected, admitted engine core at ``address``. Use from the event loop once attached.
 
@@ -218,7 +223,8 @@ class RemoteCoreSupervisor(CoreSupervisor):
     """Supervises a remote engine core, which the server cannot restart: when it is lost, the
     in-flight requests fail (``on_lost``), new ones get 503 with ``Retry-After`` while ``start_core``
     (a reconnect) is tried every ``RECONNECT_INTERVAL_S`` until it succeeds; then ``on_ready``.
-    There is no crash-loop limit: the core's operator restarts it, this side waits."""
+    There is no crash-loop limit: the core's operator restarts it, this side waits; unless ``start_core``
+    raises ``EngineCoreGoneError`` (the core cannot come back): then the 503 is for good."""
 
     def watch(self) -> None:
         client = self.client
@@ -236,6 +242,12 @@ class RemoteCoreSupervisor(CoreSupervisor):
         while not self._closing:
             try:
                 new = await asyncio.to_thread(self.start_core)  # type: ignore[arg-type]
+            except EngineCoreGoneError as e:
+                self.permanent = True
+                self.unavailable = EngineDeadError(str(e))
+                logger.warning("stopped reconnecting to the engine core at %s: it cannot come back",
+                               getattr(self.client, "address", "?"))
+                return
             except EngineCoreStartError as e:
                 attempts += 1
                 if attempts == 1 or attempts % 60 == 0:

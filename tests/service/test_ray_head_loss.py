@@ -1,0 +1,97 @@
+"""`tandem serve -dp 2 --data-parallel-backend ray` whose Ray head goes away: a head made here with
+`ray start --head` (its own `--temp-dir`, so only its processes are touched) is killed under the server.
+Ray would end the server's process once its GCS has been unreachable for
+`RAY_gcs_rpc_server_reconnect_timeout_s` (20 s here instead of 60, to keep the test short; the server
+leaves the cluster after a third of it, and `ray.shutdown` takes about 5 s). The server must instead stay
+up, log one ERROR naming the cluster, answer 503 `engine_unavailable` on `/health` and on requests, and
+still shut down cleanly (exit code 0) on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+
+import httpx
+import psutil
+import pytest
+from live_server import MODEL, Server, free_port
+
+ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'tandem[ray]'); the Ray backend is untested")
+
+BODY = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+RAY_GCS_TIMEOUT_S = 20  # Ray ends a driver whose GCS is unreachable this long (default 60)
+# NOTE: a head of Ray 2.60 turns on token authentication by default; this one runs without.
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_gcs_rpc_server_reconnect_timeout_s": str(RAY_GCS_TIMEOUT_S)}
+
+
+def head_processes(temp_dir: str) -> list[psutil.Process]:
+    """The head's processes: those naming ``temp_dir`` (GCS, raylet, monitors) and the raylet's children."""
+    found = {p.pid: p for p in psutil.process_iter(["cmdline"]) if temp_dir in " ".join(p.info["cmdline"] or [])}
+    for p in list(found.values()):
+        try:
+            found.update({c.pid: c for c in p.children(recursive=True)})
+        except psutil.NoSuchProcess:
+            pass
+    return list(found.values())
+
+
+@pytest.fixture
+def ray_head():
+    """A Ray head of 2 CPUs on a free port; yields its address; kills whatever of it is left."""
+    if shutil.which("ray") is None:
+        pytest.skip("the `ray` command is not on PATH")
+    temp_dir = tempfile.mkdtemp(prefix="tr-", dir="/tmp")  # NOTE: short: Ray's socket paths have a length limit
+    port = free_port()
+    started = subprocess.run(["ray", "start", "--head", "--num-cpus", "2", "--include-dashboard=false",
+                              "--port", str(port), "--temp-dir", temp_dir, "--disable-usage-stats"],
+                             env={**os.environ, **RAY_ENV}, capture_output=True, text=True, timeout=120)
+    procs = head_processes(temp_dir)
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        yield f"127.0.0.1:{port}", temp_dir
+    finally:
+        for p in procs + head_processes(temp_dir):
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_server_outlives_its_ray_head_and_answers_503(ray_head, stories_dir, tmp_path):
+    address, temp_dir = ray_head
+    s = Server(stories_dir, tmp_path / "server.log", "-dp", "2", "--data-parallel-backend", "ray",
+               "--ray-address", address, "--served-model-name", MODEL, env=RAY_ENV)
+    try:
+        s.wait_healthy(timeout_s=300)
+        r = httpx.post(f"{s.url}/v1/completions", json=BODY, timeout=60)
+        assert r.status_code == 200, r.text
+        head = head_processes(temp_dir)
+        assert {p.name() for p in head} >= {"gcs_server", "raylet"}
+        for p in head:
+            p.kill()
+        t0 = time.monotonic()
+        # Past Ray's own timeout (which ended the server before) and the server's check (a third of it).
+        while time.monotonic() - t0 < RAY_GCS_TIMEOUT_S + 3:
+            assert s.proc.poll() is None, f"the server exited with {s.proc.returncode}:\n{s.log()[-3000:]}"
+            time.sleep(0.5)
+        health = httpx.get(f"{s.url}/health", timeout=10)
+        r = httpx.post(f"{s.url}/v1/completions", json=BODY, timeout=10)
+        lines = [line for line in s.log().splitlines() if "ERROR tandem.engine.ray_engines" in line]
+        assert s.proc.poll() is None
+    finally:
+        code = s.stop()
+    assert health.status_code == 503
+    assert health.json()["error"]["code"] == "engine_unavailable"
+    assert r.status_code == 503
+    error = r.json()["error"]
+    assert error["code"] == "engine_unavailable" and error["type"] == "service_unavailable"
+    port = address.rpartition(":")[2]  # NOTE: the message names the GCS's address (the node's IP, same port)
+    assert f":{port} is unreachable" in error["message"] and "the server answers 503 until it is restarted" in \
+        error["message"]
+    assert "Retry-After" not in r.headers  # for good: the actors went with the cluster
+    assert len(lines) == 1 and "the Ray cluster at" in lines[0] and "engine actors are lost" in lines[0], lines
+    assert code == 0, s.log()[-3000:]
