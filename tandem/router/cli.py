@@ -57,7 +57,8 @@ def add_router_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a backend may stay silent between two reads of its answer (default 600)")
     r.add_argument("--first-byte-timeout", type=float, default=0.0, metavar="SECONDS",
-                   help="seconds to wait for a backend's first response byte; then the request is retried once "
+                   help="seconds to wait for a backend's first response byte (with --prefill/--decode: each "
+                        "leg's); then the request is retried once "
                         "on another backend and the silent one counted as failed (default 0: no limit; a hung "
                         "backend's requests are retried once its /health probe ejects it). A request without "
                         "stream gets its first byte with its whole answer")

@@ -2,7 +2,9 @@
 
 One request, as vLLM's disaggregation proxy and vllm-router's PD mode send it:
 1. Choose a decode server and a prefill server, each the one with the fewest requests in flight
-   through this proxy (least-load; ties go to the first listed).
+   through this proxy (least-load; ties go to the first listed) among those not ejected (passive health,
+   ``health.BackendHealth``: a connect error ejects a server, ``--failure-threshold`` 5xx answers or
+   first-byte timeouts in a row do; once its ejection time is up the next request is its half-open trial).
 2. With ``--disagg-min-prompt-tokens N`` the prompt is counted with the decode server's ``/tokenize``;
    fewer than N tokens go straight to the decode server (a prefill leg would cost more than it
    saves). NOTE: the count is of all prompt tokens, not of those missing from the decode server's
@@ -10,19 +12,26 @@ One request, as vLLM's disaggregation proxy and vllm-router's PD mode send it:
 3. Prefill leg: the client's body with ``"kv_transfer_params": {"do_remote_decode": true, ...}``,
    ``max_tokens`` (and ``max_completion_tokens``) 1, ``n`` 1, ``stream`` false, no ``stream_options``,
    ``min_tokens`` or ``best_of``. A refusal (4xx) is the client's answer; an unreachable prefill server,
-   or one answering 5xx (its engine died or restarts), sends the request to the decode server alone (it
-   prefills itself), as do several prompts in one body and prompt logprobs (``decode_only``).
+   one answering 5xx (its engine died or restarts) or one silent for ``--first-byte-timeout`` sends the
+   request to the decode server alone (it prefills itself), as do several prompts in one body and prompt
+   logprobs (``decode_only``).
 4. Decode leg: the client's body plus the ``kv_transfer_params`` of the prefill leg's response; its
    answer (an SSE stream or JSON) is relayed to the client as it comes. A client that leaves closes
-   the decode leg, so the decode server aborts and frees both sides' blocks.
+   the decode leg, so the decode server aborts and frees both sides' blocks. A decode server that cannot
+   be reached, or sends no byte within ``--first-byte-timeout`` (0: no limit), is left (the connection
+   closed) and the request tried once more on another decode server with the client's own body (it
+   prefills itself: the first one may hold the transfer's lease); else 502 ``decode_unreachable`` or
+   504 ``first_byte_timeout``.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+import math
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -32,6 +41,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tandem.config import ConfigError
+from tandem.router.health import BackendHealth, HealthState
+from tandem.router.policy import BackendState
 from tandem.server.errors import APIError
 
 logger = logging.getLogger(__name__)
@@ -45,7 +56,10 @@ CONNECT_ATTEMPTS = 2  # per leg: a connect timeout is tried once more (a refused
 @dataclass(frozen=True)
 class PDConfig:
     """Settings of the P/D proxy: server base URLs (without ``/v1``), the short-prompt threshold
-    (tokens; 0 = every request takes both legs), the listen address and timeouts (seconds).
+    (tokens; 0 = every request takes both legs), the listen address, timeouts (seconds) and passive health
+    (``health.BackendHealth``). ``first_byte_timeout_s``: how long a leg may wait for its answer's first
+    byte (0, the default: no limit; NOTE: as for ``RouterConfig``, a request without ``stream`` gets its
+    first byte only with its whole answer, and a CPU prefill of a long prompt takes seconds to minutes).
 
     Raises (on creation): ConfigError: no prefill or no decode server, a malformed URL, a bad bound.
     """
@@ -57,6 +71,10 @@ class PDConfig:
     port: int = 8080
     connect_timeout_s: float = 2.0
     request_timeout_s: float = 600.0
+    first_byte_timeout_s: float = 0.0
+    failure_threshold: int = 3
+    eject_s: float = 2.0
+    max_eject_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -69,13 +87,20 @@ class PDConfig:
             raise ConfigError(f"--disagg-min-prompt-tokens must be >= 0, got {self.min_prompt_tokens}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port must be 0-65535, got {self.port}")
+        if not (self.first_byte_timeout_s >= 0 and math.isfinite(self.first_byte_timeout_s)):
+            raise ConfigError(f"--first-byte-timeout must be a finite number >= 0, got {self.first_byte_timeout_s}")
+        if self.failure_threshold < 1 or not 0 < self.eject_s <= self.max_eject_s:
+            raise ConfigError(f"need --failure-threshold >= 1 and 0 < --eject-seconds <= --max-eject-seconds, got "
+                              f"{self.failure_threshold}, {self.eject_s}, {self.max_eject_s}")
 
 
 class PDProxy:
     """Pairs prefill and decode servers per request (see the module docstring).
 
     ``outstanding``: requests in flight per server URL through this proxy (the least-load signal).
-    ``num_direct`` / ``num_disaggregated`` / ``num_prefill_unreachable``: cumulative request counts.
+    ``health``: each server's ``BackendHealth`` (passive: connect errors, 5xx, first-byte timeouts).
+    ``num_direct`` / ``num_disaggregated`` / ``num_prefill_unreachable`` (timeouts included) /
+    ``num_first_byte_timeouts`` (either leg) / ``num_decode_retries``: cumulative request counts.
     """
 
     def __init__(self, config: PDConfig, client: httpx.AsyncClient | None = None) -> None:
@@ -85,11 +110,24 @@ class PDProxy:
         self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s,
                                                                         connect=config.connect_timeout_s))
         self.outstanding = dict.fromkeys(self.prefill + self.decode, 0)
+        self.health = {u: BackendHealth(BackendState(u), config.failure_threshold, config.eject_s, config.max_eject_s)
+                       for u in self.outstanding}
         self.num_direct = self.num_disaggregated = self.num_prefill_unreachable = 0
+        self.num_first_byte_timeouts = self.num_decode_retries = 0
 
-    def choose(self, urls: list[str]) -> str:
-        """The server with the fewest requests in flight (the first listed on a tie). Changes nothing."""
-        return min(urls, key=lambda u: self.outstanding[u])
+    def choose(self, urls: list[str], exclude: Iterable[str] = ()) -> str | None:
+        """The server with the fewest requests in flight (the first listed on a tie) among ``urls`` minus
+        ``exclude`` that are not ejected (or whose ejection time is up: this request is its half-open trial);
+        all of them when every one is ejected; None when none is left. Changes: a due server's health
+        (half-open)."""
+        left = [u for u in urls if u not in exclude]
+        routable = [u for u in left if self.health[u].state is not HealthState.EJECTED or self.health[u].due_probe]
+        if not left:
+            return None
+        chosen = min(routable or left, key=lambda u: self.outstanding[u])
+        if self.health[chosen].due_probe:
+            self.health[chosen].on_probe(True)
+        return chosen
 
     async def handle(self, request: Request, path: str) -> Response:
         """Answers one ``POST path`` (``/v1/completions`` or ``/v1/chat/completions``)."""
@@ -103,29 +141,30 @@ class PDProxy:
         decode = self.choose(self.decode)
         if decode_only(body) or self.config.min_prompt_tokens and await self._is_short(decode, body, headers):
             self.num_direct += 1
-            return await self._relay(decode, path, body, headers)
+            return await self._relay(decode, path, body, headers, body)
         prefill = self.choose(self.prefill)
         self.outstanding[prefill] += 1
         try:
-            answer = await self._send(self.client.build_request("POST", prefill + path, json=prefill_leg(body),
-                                                                headers=headers), stream=False)
-        except httpx.HTTPError as e:
-            logger.warning("prefill server %s unreachable (%s): the decode server prefills itself", prefill, _why(e))
+            answer = await self._post(prefill, path, prefill_leg(body), headers)
+        except (httpx.HTTPError, TimeoutError) as e:
+            logger.warning("prefill server %s %s: the decode server prefills itself", prefill, self._failed(prefill, e))
             self.num_prefill_unreachable += 1
-            return await self._relay(decode, path, body, headers)
+            return await self._relay(decode, path, body, headers, body)
         finally:
             self.outstanding[prefill] -= 1
+        self.health[prefill].on_response(answer.status_code)
         if answer.status_code >= 500:  # NOTE: its engine died or is restarting: the decode engine can prefill
             logger.warning("prefill server %s answered %d: the decode server prefills itself", prefill,
                            answer.status_code)
             self.num_prefill_unreachable += 1
-            return await self._relay(decode, path, body, headers)
+            return await self._relay(decode, path, body, headers, body)
         if answer.status_code != 200:
             return Response(answer.content, answer.status_code, media_type="application/json",
                             headers=_retry_after(answer))
         params = answer.json().get("kv_transfer_params")
         self.num_disaggregated += 1
-        return await self._relay(decode, path, {**body, "kv_transfer_params": params} if params else body, headers)
+        return await self._relay(decode, path, {**body, "kv_transfer_params": params} if params else body, headers,
+                                 body)
 
     async def _send(self, request: httpx.Request, stream: bool) -> httpx.Response:
         """Sends ``request``, once more after a connect timeout (nothing was sent: a loop busy with many
@@ -136,6 +175,45 @@ class PDProxy:
             except httpx.ConnectTimeout:
                 logger.warning("connect timeout to %s: trying again", request.url)
         return await self.client.send(request, stream=stream)
+
+    async def _open(self, url: str, path: str, body: dict[str, Any],
+                    headers: dict[str, str]) -> tuple[httpx.Response, bytes, AsyncIterator[bytes]]:
+        """Sends one leg and waits for its answer's first body chunk, at most ``first_byte_timeout_s`` (0: no
+        limit); returns the open response, that chunk and the rest (decoded, so Content-Encoding is not
+        relayed). Raises: httpx.HTTPError (no connection, a broken answer); TimeoutError (no first byte in
+        time; the connection is closed, so the server aborts the request)."""
+        upstream = None
+        try:
+            async with asyncio.timeout(self.config.first_byte_timeout_s or None):
+                upstream = await self._send(self.client.build_request("POST", url + path, json=body, headers=headers),
+                                            stream=True)
+                rest = upstream.aiter_bytes()
+                first = await anext(rest, b"")
+        except BaseException:
+            if upstream is not None:
+                await upstream.aclose()
+            raise
+        return upstream, first, rest
+
+    async def _post(self, url: str, path: str, body: dict[str, Any], headers: dict[str, str]) -> httpx.Response:
+        """One leg's whole answer (see ``_open``). Raises: httpx.HTTPError, TimeoutError."""
+        upstream, first, rest = await self._open(url, path, body, headers)
+        try:
+            content = first + b"".join([chunk async for chunk in rest])
+        finally:
+            await upstream.aclose()
+        kept = {k: v for k, v in upstream.headers.items() if k.lower() in ("content-type", "retry-after")}
+        return httpx.Response(upstream.status_code, headers=kept, content=content)
+
+    def _failed(self, url: str, e: Exception) -> str:
+        """Counts a leg that failed before its first byte in ``url``'s health; returns why, for a message."""
+        if isinstance(e, TimeoutError):
+            why = f"sent no response byte within {self.config.first_byte_timeout_s:g} s"
+            self.num_first_byte_timeouts += 1
+            self.health[url].on_failure(why)
+            return why
+        self.health[url].on_connect_error(_why(e))
+        return f"unreachable ({_why(e)})"
 
     async def _is_short(self, decode: str, body: dict[str, Any], headers: dict[str, str]) -> bool:
         query = {"messages": body["messages"]} if "messages" in body else {"prompt": body.get("prompt")}
@@ -149,29 +227,57 @@ class PDProxy:
             count = None
         return isinstance(count, int) and count < self.config.min_prompt_tokens
 
-    async def _relay(self, url: str, path: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
-        """Sends the decode leg and relays its answer (streamed as it comes when ``stream`` is set)."""
-        self.outstanding[url] += 1
-        try:
-            upstream = await self._send(self.client.build_request("POST", url + path, json=body, headers=headers),
-                                        stream=True)
-        except httpx.HTTPError as e:
-            self.outstanding[url] -= 1
-            return APIError(502, f"the decode server {url} is unreachable: {_why(e)}", "service_unavailable", None,
-                            "decode_unreachable", 1.0).response()
+    async def _relay(self, url: str, path: str, body: dict[str, Any], headers: dict[str, str],
+                     own_body: dict[str, Any]) -> Response:
+        """Sends the decode leg and relays its answer (streamed as it comes when ``stream`` is set). A leg that
+        fails before its first byte is tried once more on another decode server, with the client's
+        ``own_body`` (it prefills itself)."""
+        failures: list[tuple[str, Exception]] = []
+        while True:
+            self.outstanding[url] += 1
+            try:
+                upstream, first, rest = await self._open(url, path, body, headers)
+                break
+            except BaseException as e:
+                self.outstanding[url] -= 1
+                if not isinstance(e, httpx.HTTPError | TimeoutError):
+                    raise  # NOTE: cancelled (the client left)
+                why = self._failed(url, e)
+                failures.append((url, e))
+                other = self.choose(self.decode, exclude=[u for u, _ in failures]) if len(failures) < 2 else None
+                if other is None:
+                    return self._decode_failed(failures)
+                logger.warning("decode server %s %s: trying %s", url, why, other)
+                self.num_decode_retries += 1
+                url, body = other, own_body
+        self.health[url].on_response(upstream.status_code)
         media = upstream.headers.get("content-type", "application/json")
         if not body.get("stream") or upstream.status_code != 200:
             try:
-                content = await upstream.aread()
+                content = first + b"".join([chunk async for chunk in rest])
             finally:
                 await upstream.aclose()
                 self.outstanding[url] -= 1
             return Response(content, upstream.status_code, media_type=media, headers=_retry_after(upstream))
-        return StreamingResponse(self._chunks(url, upstream), media_type=media)
+        return StreamingResponse(self._chunks(url, upstream, first, rest), media_type=media)
 
-    async def _chunks(self, url: str, upstream: httpx.Response) -> AsyncIterator[bytes]:
+    def _decode_failed(self, failures: list[tuple[str, Exception]]) -> Response:
+        """The answer when every decode attempt failed before its first byte: 504 when the last one timed out,
+        else 502 naming the unreachable server."""
+        url, e = failures[-1]
+        if isinstance(e, TimeoutError):
+            servers = " nor from ".join(u for u, _ in failures)
+            return APIError(504, f"no response byte within {self.config.first_byte_timeout_s:g} s from the decode "
+                                 f"server {servers}", "gateway_timeout", None, "first_byte_timeout").response()
+        return APIError(502, f"the decode server {url} is unreachable: {_why(e)}", "service_unavailable", None,
+                        "decode_unreachable", 1.0).response()
+
+    async def _chunks(self, url: str, upstream: httpx.Response, first: bytes,
+                      rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         try:
-            async for chunk in upstream.aiter_raw():
+            if first:
+                yield first
+            async for chunk in rest:
                 yield chunk
         finally:
             await upstream.aclose()  # NOTE: a client that left closes the decode leg: the server aborts
@@ -235,15 +341,22 @@ def build_pd_app(proxy: PDProxy) -> FastAPI:
     @app.get("/backends")
     async def backends() -> JSONResponse:
         return JSONResponse({"prefill": proxy.prefill, "decode": proxy.decode, "outstanding": proxy.outstanding,
+                             "health": {u: h.describe() for u, h in proxy.health.items()},
                              "num_direct": proxy.num_direct, "num_disaggregated": proxy.num_disaggregated,
-                             "num_prefill_unreachable": proxy.num_prefill_unreachable})
+                             "num_prefill_unreachable": proxy.num_prefill_unreachable,
+                             "num_first_byte_timeouts": proxy.num_first_byte_timeouts,
+                             "num_decode_retries": proxy.num_decode_retries})
 
     return app
 
 
 def add_pd_args(parser: argparse.ArgumentParser) -> None:
     """Adds ``--prefill``, ``--decode`` and ``--disagg-min-prompt-tokens`` to ``tandem router``."""
-    g = parser.add_argument_group("prefill/decode disaggregation (instead of --backend)")
+    g = parser.add_argument_group(
+        "prefill/decode disaggregation (instead of --backend)",
+        "--connect-timeout, --request-timeout, --first-byte-timeout, --failure-threshold and --eject-seconds apply "
+        "to both legs: a prefill server that fails (or is silent for --first-byte-timeout) leaves the prefill to "
+        "the decode server; a failed decode leg is tried once more on another decode server, else 502 or 504")
     g.add_argument("--prefill", action="append", default=[], metavar="URL",
                    help="a prefill server (kv_role kv_producer), e.g. http://127.0.0.1:8100; repeat")
     g.add_argument("--decode", action="append", default=[], metavar="URL",
@@ -255,7 +368,9 @@ def add_pd_args(parser: argparse.ArgumentParser) -> None:
 def pd_config_from_args(args: argparse.Namespace) -> PDConfig:
     return PDConfig(prefill=tuple(args.prefill), decode=tuple(args.decode),
                     min_prompt_tokens=args.disagg_min_prompt_tokens, host=args.host, port=args.port,
-                    connect_timeout_s=args.connect_timeout, request_timeout_s=args.request_timeout)
+                    connect_timeout_s=args.connect_timeout, request_timeout_s=args.request_timeout,
+                    first_byte_timeout_s=args.first_byte_timeout, failure_threshold=args.failure_threshold,
+                    eject_s=args.eject_seconds, max_eject_s=args.max_eject_seconds)
 
 
 def cmd_pd_router(args: argparse.Namespace) -> int:

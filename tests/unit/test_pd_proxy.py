@@ -9,6 +9,7 @@ import json
 
 import httpx
 
+from tandem.router.health import HealthState
 from tandem.router.pd import PDConfig, PDProxy, build_pd_app
 
 PREFILL, DECODE = "http://prefill:8100", "http://decode:8200"
@@ -127,3 +128,18 @@ def test_a_connect_timeout_is_tried_once_more_on_each_leg():
     answer, _ = serve(body, connect_timeouts=2)
     assert answer.status_code == 502 and answer.json()["error"]["message"] == (
         f"the decode server {DECODE} is unreachable: ConnectTimeout")
+
+
+def test_an_ejected_server_is_skipped_until_its_half_open_trial():
+    other = "http://decode-2:8200"
+    proxy = PDProxy(PDConfig(prefill=(PREFILL,), decode=(DECODE, other)), httpx.AsyncClient())
+    assert proxy.choose(proxy.decode) == DECODE  # a tie goes to the first listed
+    proxy.health[DECODE].on_connect_error("ConnectError: refused")
+    assert proxy.choose(proxy.decode) == other and proxy.health[DECODE].state is HealthState.EJECTED
+    proxy.health[DECODE].ejected_until = 0.0  # its ejection time is up: the next request is its trial
+    assert proxy.choose(proxy.decode) == DECODE and proxy.health[DECODE].state is HealthState.HALF_OPEN
+    proxy.health[DECODE].on_failure("sent no response byte within 1 s")  # the trial failed: out again, longer
+    assert proxy.health[DECODE].state is HealthState.EJECTED and proxy.health[DECODE].backoff_s == 4.0
+    proxy.health[other].on_connect_error("ConnectError: refused")
+    assert proxy.choose(proxy.decode) == DECODE  # every one ejected: all of them are tried
+    assert proxy.choose(proxy.decode, exclude=[DECODE, other]) is None
