@@ -180,7 +180,8 @@ class ServerMetrics:
 
 class DataParallelMetrics:
     """The series of N engine cores in one exposition: each engine's ``ServerMetrics`` (``engines``)
-    gets the extra label ``engine`` (its rank); the front end's process series appear once.
+    gets the extra label ``engine`` (its rank); the front end's process series appear once, and so
+    does the edge's own ``tandem:request_redispatches_total{engine}`` (``engine/dp_llm.py``).
 
     Args:
         parts: one ``ServerMetrics`` per engine (made with ``process=False``), in rank order.
@@ -191,6 +192,17 @@ class DataParallelMetrics:
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         self.registry.register(_EngineLabelled(parts))
+        self._redispatches = Counter(
+            "tandem:request_redispatches", "Prompts re-sent to another engine because their engine core died "
+            "before any output reached the client, by the engine they left.",
+            ["model_name", "instance_id", "engine"], registry=self.registry)
+        self.labels = parts[0].labels if parts else ("", "")
+        for rank in range(len(parts)):
+            self._redispatches.labels(*self.labels, str(rank))  # NOTE: export zeros before the first one
+
+    def record_redispatch(self, rank: int) -> None:
+        """Counts one prompt moved away from engine ``rank`` (``tandem:request_redispatches_total``)."""
+        self._redispatches.labels(*self.labels, str(rank)).inc()
 
     def render(self) -> bytes:
         for part in self.engines:
