@@ -10,15 +10,13 @@ server notices the lost connection (in-flight requests end with 503), asks the r
 its new address and reconnects (``RayCoreSupervisor``, which counts the restart in
 ``tandem:engine_core_restarts_total``).
 
-When the cluster itself goes away (its head's GCS stops answering: ``ray start --head`` killed, the local
-head of ``ray.init`` dead), Ray ends the server's process once its GCS is unreachable for
-``gcs_rpc_server_reconnect_timeout_s`` (60 s by default; ``rpc_client.h``: "Failed to connect to GCS within
-60 seconds ... The program will terminate", exit code 1, on stderr only). ``RayEngines`` instead checks
-the GCS address every second; after ``cluster_lost_after_s`` without an answer it logs one ERROR naming the
-cluster, leaves it (``ray.shutdown``, before Ray's own timeout) and stops reconnecting: each engine whose
-connection drops then answers 503 ``engine_unavailable`` for good (with one engine per node, an engine on
-a node that still runs keeps serving until Ray's own timeout ends it there). The actors are gone with the
-cluster (no GCS fault tolerance here), so a server whose cluster came back must be restarted.
+When the cluster itself goes away (its head's GCS stops answering), ``ray_cluster.ClusterWatch`` leaves it
+before Ray would end this process, and each engine whose connection drops answers 503
+``engine_unavailable`` (with one engine per node, an engine on a node that still runs keeps serving until
+Ray's own timeout ends it there). The actors went with the cluster (no GCS fault tolerance here): for a
+cluster joined at an address (``--ray-address``, ``$RAY_ADDRESS``) the server joins it again once its GCS
+answers and starts new actors, which the supervisors reconnect to (counted as restarts); a local cluster
+this server started is not started again (the 503 is for good, the server must be restarted).
 
 Importing this module does not import ray (``RayEngines`` does; ``pip install 'tandem[ray]'``).
 """
@@ -39,8 +37,10 @@ from typing import Any
 
 from tandem.config import EngineConfig, ParallelConfig
 from tandem.engine.core_client import EngineCoreStartError
+from tandem.engine.ray_cluster import ClusterWatch, unreachable
 from tandem.engine.remote_client import (
     RECONNECT_TIMEOUT_S,
+    EngineCoreAwayError,
     EngineCoreGoneError,
     RemoteCoreSupervisor,
     RemoteEngineCoreClient,
@@ -52,21 +52,6 @@ RAY_MAX_RESTARTS = 10  # Ray restarts a dead engine actor this many times (then 
 PLACEMENT_TIMEOUT_S = 120.0  # the cluster must find CPUs for every bundle within this
 JOIN_CONNECT_TIMEOUT_S = 10.0  # a head address must accept a TCP connection within this
 LOAD_TIMEOUT_S = 600.0  # every actor must have loaded its model within this
-CLUSTER_CHECK_INTERVAL_S = 1.0  # how often the server checks that the cluster's GCS accepts a connection
-CLUSTER_LOST_AFTER_S = 10.0  # the cluster counts as lost after this long without (at most a third of Ray's)
-RAY_GCS_TIMEOUT_S = 60.0  # Ray's default gcs_rpc_server_reconnect_timeout_s: a driver exits after this
-
-
-def cluster_lost_after_s(environ: dict[str, str] | None = None) -> float:
-    """Seconds without an answer from the GCS after which the server leaves the cluster: at most
-    ``CLUSTER_LOST_AFTER_S`` and at most a third of Ray's own ``RAY_gcs_rpc_server_reconnect_timeout_s``
-    (so the server leaves before Ray ends it), at least one check interval. No state changes."""
-    value = (os.environ if environ is None else environ).get("RAY_gcs_rpc_server_reconnect_timeout_s", "")
-    try:
-        ray_timeout_s = float(value) if value else RAY_GCS_TIMEOUT_S
-    except ValueError:
-        ray_timeout_s = RAY_GCS_TIMEOUT_S
-    return max(CLUSTER_CHECK_INTERVAL_S, min(CLUSTER_LOST_AFTER_S, ray_timeout_s / 3))
 
 
 class RayCoreSupervisor(RemoteCoreSupervisor):
@@ -79,8 +64,8 @@ class RayCoreSupervisor(RemoteCoreSupervisor):
     def watch(self) -> None:
         super().watch()
         engines = getattr(self.start_core, "engines", None)
-        if engines is not None:
-            engines.loop = asyncio.get_running_loop()  # NOTE: where RayEngines restores the signal handlers
+        if engines is not None and engines.cluster is not None:
+            engines.cluster.loop = asyncio.get_running_loop()  # NOTE: where the signal handlers are set again
 
     async def _restart(self) -> None:
         t0, old = time.monotonic(), self.client
@@ -149,14 +134,6 @@ class ActorEngine:
         service.run()
 
 
-def _reinstall_signal_handlers() -> None:
-    """Sets SIGTERM's and SIGINT's Python handlers again at the C level (call in the main thread)."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        handler = signal.getsignal(sig)
-        if handler is not None:
-            signal.signal(sig, handler)
-
-
 def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
@@ -170,17 +147,9 @@ AUTH_HINT = ("a cluster made by `ray start --head` uses token authentication by 
 
 
 def _unreachable(address: str | None, timeout_s: float = JOIN_CONNECT_TIMEOUT_S) -> str | None:
-    """Why a plain ``HOST:PORT`` head address refuses a TCP connection (None: it accepts one, or the
-    address is another form: None, ``auto``, ``ray://...``). Ray's own ``init`` retries such an address
-    without end. No state changes."""
-    host, sep, port = (address or "").rpartition(":")
-    if not sep or not port.isdigit() or not host or "/" in host:
-        return None
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
-    except OSError as e:
-        return f"{type(e).__name__}: {e}"
-    return None
+    """Why a plain ``HOST:PORT`` head address refuses a TCP connection (``ray_cluster.unreachable``); Ray's
+    own ``init`` retries such an address without end. No state changes."""
+    return unreachable(address, timeout_s)
 
 
 def _join(ray: Any, address: str | None) -> None:
@@ -260,11 +229,9 @@ class RayEngines:
         self.actors: list[Any] = []
         self.addresses: list[str] = []
         self.group = None
-        self.lost: str | None = None  # why the cluster counts as lost (then Ray is not used any more)
-        self._ray_lock = threading.Lock()  # NOTE: no Ray call may run while the watch leaves the cluster
-        self._stop = threading.Event()
-        self._watch: threading.Thread | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop (set by RayCoreSupervisor.watch)
+        # NOTE: a cluster this server started (ray.init without an address) is not started again once lost
+        self.rejoins = bool(parallel.ray_address or os.environ.get("RAY_ADDRESS"))
+        self.cluster: ClusterWatch | None = None  # from ``wait`` on
 
     def start(self) -> None:
         """Creates the placement group and the actors (which load the model meanwhile).
@@ -309,55 +276,43 @@ class RayEngines:
             for client in clients:
                 client.close()
             raise
-        self._watch = threading.Thread(target=self._watch_cluster, args=(ray.get_runtime_context().gcs_address,),
-                                       name="tandem-ray-cluster-watch", daemon=True)
-        self._watch.start()
+        self.cluster = ClusterWatch(ray, ray.get_runtime_context().gcs_address, self._rejoin if self.rejoins else None)
+        self.cluster.start()
         return clients
 
-    def _watch_cluster(self, gcs_address: str) -> None:
-        """Checks every ``CLUSTER_CHECK_INTERVAL_S`` that the GCS at ``gcs_address`` accepts a TCP
-        connection; after ``cluster_lost_after_s()`` of refusals (or timeouts) the cluster is lost:
-        ``lost`` is set, one ERROR logged and the cluster left (``ray.shutdown``: Ray would otherwise end
-        this process; NOTE: leaving takes about 5 s, in ``shutdown_driver``). Runs in its own thread until
-        ``close``. Changes: ``lost``; Ray's connection."""
-        lost_after_s = cluster_lost_after_s()
-        first_failure: float | None = None
-        while not self._stop.wait(CLUSTER_CHECK_INTERVAL_S):
-            why = _unreachable(gcs_address, CLUSTER_CHECK_INTERVAL_S)
-            if why is None:
-                first_failure = None
-                continue
-            now = time.monotonic()
-            first_failure = now if first_failure is None else first_failure
-            if now - first_failure >= lost_after_s:
-                self._leave(f"the Ray cluster at {gcs_address} is unreachable ({why}; for {lost_after_s:.0f} s): its "
-                            "engine actors are lost; the server answers 503 until it is restarted (once the cluster "
-                            "is back)")
-                return
+    def _rejoin(self) -> None:
+        """Joins the cluster again and starts new engine actors (the old ones went with the lost cluster),
+        blocking until each has loaded its model (``ClusterWatch`` runs it once the GCS answers again).
 
-    def _leave(self, reason: str) -> None:
-        with self._ray_lock:
-            self.lost = reason
-            logger.error("%s", reason)
-            try:
-                self.ray.shutdown()
-            except Exception as e:  # noqa: BLE001 - leaving a dead cluster; nothing else to do
-                logger.warning("leaving the lost Ray cluster: %s: %s", type(e).__name__, e)
-        # NOTE: Ray's shutdown_driver resets SIGTERM to its default action (the process would die at the next
-        # SIGTERM instead of shutting down gracefully): the handlers are set again, from the main thread.
-        if self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(_reinstall_signal_handlers)
+        Raises: ValueError (cannot join), EngineCoreStartError (cannot place or load the actors), RayError.
+        """
+        ray = self.ray
+        _join(ray, self.cluster.gcs_address)
+        self.actors, self.group = [], None
+        try:
+            self.start()
+            refs = [a.address.remote() for a in self.actors]
+            deadline = time.monotonic() + LOAD_TIMEOUT_S
+            while len(ray.wait(refs, num_returns=len(refs), timeout=1.0)[0]) < len(refs):
+                if self.cluster.stopping or time.monotonic() > deadline:
+                    raise EngineCoreStartError("the engine core actors did not load (stopping or timed out)")
+            addresses = ray.get(refs)
+        except BaseException:
+            self._kill_actors()
+            raise
+        self.addresses = addresses
 
     def restarter(self, rank: int) -> Any:
         """Reconnects to actor ``rank`` at its (possibly new) address; raises EngineCoreStartError while
-        Ray is still restarting it (the supervisor retries every second), EngineCoreGoneError once the
-        cluster is lost (the supervisor stops)."""
+        Ray is still restarting it (the supervisor retries every second), while the cluster is lost
+        EngineCoreAwayError (it will be joined again) or EngineCoreGoneError (it will not: the supervisor
+        stops)."""
 
         def reconnect() -> RemoteEngineCoreClient:
-            ray = self.ray
-            with self._ray_lock:
-                if self.lost is not None:
-                    raise EngineCoreGoneError(self.lost)
+            ray, cluster = self.ray, self.cluster
+            with cluster.lock:
+                if cluster.lost is not None:
+                    raise (EngineCoreAwayError if cluster.rejoin else EngineCoreGoneError)(cluster.lost)
                 try:
                     address = ray.get(self.actors[rank].address.remote(), timeout=RECONNECT_TIMEOUT_S)
                 except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
@@ -373,17 +328,7 @@ class RayEngines:
         """The actors' process ids (for tests and operators)."""
         return self.ray.get([a.pid.remote() for a in self.actors], timeout=30)
 
-    def describe(self) -> str:
-        return f"Ray actors at {', '.join(self.addresses)}, {self.cpus} CPU(s) each"
-
-    def close(self) -> None:
-        """Kills the actors (no restart), removes the placement group, and leaves the cluster (nothing
-        once the cluster is lost: it is left already)."""
-        self._stop.set()
-        if self._watch is not None:
-            self._watch.join()
-        if self.lost is not None:
-            return
+    def _kill_actors(self) -> None:
         ray = self.ray
         for a in self.actors:
             try:
@@ -393,6 +338,21 @@ class RayEngines:
         if self.group is not None:
             from ray.util.placement_group import remove_placement_group
 
-            remove_placement_group(self.group)
-        if self.started_ray:
-            ray.shutdown()
+            try:
+                remove_placement_group(self.group)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+    def describe(self) -> str:
+        return f"Ray actors at {', '.join(self.addresses)}, {self.cpus} CPU(s) each"
+
+    def close(self) -> None:
+        """Kills the actors (no restart), removes the placement group, and leaves the cluster (nothing
+        once the cluster is lost: it is left already)."""
+        if self.cluster is not None:
+            self.cluster.close()
+            if self.cluster.lost is not None:
+                return
+        self._kill_actors()
+        if self.started_ray or self.cluster is not None and self.cluster.num_rejoins:
+            self.ray.shutdown()

@@ -34,12 +34,18 @@ RECONNECT_TIMEOUT_S = 2.0  # one reconnection attempt
 RECONNECT_INTERVAL_S = 1.0  # pause between reconnection attempts
 HEARTBEAT_TIMEOUT_S = 30.0  # the core is lost after this long without a message (a step may take seconds)
 RECONNECT_RETRY_AFTER_S = 2.0  # Retry-After of a 503 while the core is unreachable
+AWAY_RETRY_AFTER_S = 10.0  # Retry-After of a 503 while the core is away for a known reason (EngineCoreAwayError)
 
 RemoteOutput = Ready | AddResult | StepOutputs | CoreFailed | StepFailed | Challenge | Refused | Heartbeat
 
 
 class EngineRefusedError(EngineCoreStartError):
     """The engine core refused this front end (wrong or missing secret, another front end connected)."""
+
+
+class EngineCoreAwayError(EngineCoreStartError):
+    """The engine core cannot be reached for a known reason that may pass (e.g. its Ray cluster is lost and
+    will be joined again): the supervisor keeps reconnecting, and new requests get 503 with this message."""
 
 
 class EngineCoreGoneError(EngineCoreStartError):
@@ -223,8 +229,9 @@ class RemoteCoreSupervisor(CoreSupervisor):
     """Supervises a remote engine core, which the server cannot restart: when it is lost, the
     in-flight requests fail (``on_lost``), new ones get 503 with ``Retry-After`` while ``start_core``
     (a reconnect) is tried every ``RECONNECT_INTERVAL_S`` until it succeeds; then ``on_ready``.
-    There is no crash-loop limit: the core's operator restarts it, this side waits; unless ``start_core``
-    raises ``EngineCoreGoneError`` (the core cannot come back): then the 503 is for good."""
+    There is no crash-loop limit: the core's operator restarts it, this side waits; ``start_core`` raising
+    ``EngineCoreAwayError`` puts its reason in the 503, ``EngineCoreGoneError`` (the core cannot come back)
+    stops the reconnects: then the 503 is for good."""
 
     def watch(self) -> None:
         client = self.client
@@ -249,6 +256,8 @@ class RemoteCoreSupervisor(CoreSupervisor):
                                getattr(self.client, "address", "?"))
                 return
             except EngineCoreStartError as e:
+                if isinstance(e, EngineCoreAwayError):
+                    self.unavailable = EngineDeadError(str(e), AWAY_RETRY_AFTER_S)
                 attempts += 1
                 if attempts == 1 or attempts % 60 == 0:
                     logger.warning("cannot reconnect yet (attempt %d): %s", attempts, e)

@@ -3,8 +3,9 @@
 Ray would end the server's process once its GCS has been unreachable for
 `RAY_gcs_rpc_server_reconnect_timeout_s` (20 s here instead of 60, to keep the test short; the server
 leaves the cluster after a third of it, and `ray.shutdown` takes about 5 s). The server must instead stay
-up, log one ERROR naming the cluster, answer 503 `engine_unavailable` on `/health` and on requests, and
-still shut down cleanly (exit code 0) on SIGTERM."""
+up, log one ERROR naming the cluster and answer 503 `engine_unavailable` on `/health` and on requests;
+once a head is started again at the same address it joins it, starts new engine actors and serves again;
+and it still shuts down cleanly (exit code 0) on SIGTERM."""
 
 from __future__ import annotations
 
@@ -38,20 +39,30 @@ def head_processes(temp_dir: str) -> list[psutil.Process]:
     return list(found.values())
 
 
+def start_head(port: int, temp_dir: str) -> None:
+    started = subprocess.run(["ray", "start", "--head", "--num-cpus", "2", "--include-dashboard=false",
+                              "--port", str(port), "--temp-dir", temp_dir, "--disable-usage-stats"],
+                             env={**os.environ, **RAY_ENV}, capture_output=True, text=True, timeout=120)
+    assert started.returncode == 0, started.stdout + started.stderr
+
+
 @pytest.fixture
 def ray_head():
-    """A Ray head of 2 CPUs on a free port; yields its address; kills whatever of it is left."""
+    """A Ray head of 2 CPUs on a free port; yields its address, temp dir and a function that starts it
+    again; kills whatever of it is left."""
     if shutil.which("ray") is None:
         pytest.skip("the `ray` command is not on PATH")
     temp_dir = tempfile.mkdtemp(prefix="tr-", dir="/tmp")  # NOTE: short: Ray's socket paths have a length limit
     port = free_port()
-    started = subprocess.run(["ray", "start", "--head", "--num-cpus", "2", "--include-dashboard=false",
-                              "--port", str(port), "--temp-dir", temp_dir, "--disable-usage-stats"],
-                             env={**os.environ, **RAY_ENV}, capture_output=True, text=True, timeout=120)
-    procs = head_processes(temp_dir)
+    procs: list[psutil.Process] = []
+
+    def start() -> None:
+        start_head(port, temp_dir)
+        procs.extend(head_processes(temp_dir))
+
     try:
-        assert started.returncode == 0, started.stdout + started.stderr
-        yield f"127.0.0.1:{port}", temp_dir
+        start()
+        yield f"127.0.0.1:{port}", temp_dir, start
     finally:
         for p in procs + head_processes(temp_dir):
             try:
@@ -61,14 +72,15 @@ def ray_head():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def test_server_outlives_its_ray_head_and_answers_503(ray_head, stories_dir, tmp_path):
-    address, temp_dir = ray_head
+def test_server_outlives_its_ray_head_answers_503_and_serves_again_once_it_is_back(ray_head, stories_dir, tmp_path):
+    address, temp_dir, start_again = ray_head
     s = Server(stories_dir, tmp_path / "server.log", "-dp", "2", "--data-parallel-backend", "ray",
                "--ray-address", address, "--served-model-name", MODEL, env=RAY_ENV)
     try:
         s.wait_healthy(timeout_s=300)
         r = httpx.post(f"{s.url}/v1/completions", json=BODY, timeout=60)
         assert r.status_code == 200, r.text
+        text = r.json()["choices"][0]["text"]
         head = head_processes(temp_dir)
         assert {p.name() for p in head} >= {"gcs_server", "raylet"}
         for p in head:
@@ -80,8 +92,17 @@ def test_server_outlives_its_ray_head_and_answers_503(ray_head, stories_dir, tmp
             time.sleep(0.5)
         health = httpx.get(f"{s.url}/health", timeout=10)
         r = httpx.post(f"{s.url}/v1/completions", json=BODY, timeout=10)
-        lines = [line for line in s.log().splitlines() if "ERROR tandem.engine.ray_engines" in line]
+        lines = [line for line in s.log().splitlines() if "ERROR tandem.engine.ray_cluster" in line]
         assert s.proc.poll() is None
+        start_again()
+        t0 = time.monotonic()
+        while httpx.get(f"{s.url}/health", timeout=10).status_code != 200:
+            assert time.monotonic() - t0 < 180, s.log()[-3000:]
+            time.sleep(0.5)
+        print(f"serving again {time.monotonic() - t0:.1f} s after the head was started again")
+        again = httpx.post(f"{s.url}/v1/completions", json=BODY, timeout=60)
+        engines = httpx.get(f"{s.url}/load", timeout=10).json()["engines"]
+        rejoined = [line for line in s.log().splitlines() if "rejoined the Ray cluster at" in line]
     finally:
         code = s.stop()
     assert health.status_code == 503
@@ -90,8 +111,11 @@ def test_server_outlives_its_ray_head_and_answers_503(ray_head, stories_dir, tmp
     error = r.json()["error"]
     assert error["code"] == "engine_unavailable" and error["type"] == "service_unavailable"
     port = address.rpartition(":")[2]  # NOTE: the message names the GCS's address (the node's IP, same port)
-    assert f":{port} is unreachable" in error["message"] and "the server answers 503 until it is restarted" in \
-        error["message"]
-    assert "Retry-After" not in r.headers  # for good: the actors went with the cluster
+    assert f":{port} is unreachable" in error["message"]
+    assert error["message"].endswith("its engine actors are lost; the server answers 503 until the cluster is back "
+                                     "(it then starts the engine actors again)")
+    assert r.headers["Retry-After"] == "10"
     assert len(lines) == 1 and "the Ray cluster at" in lines[0] and "engine actors are lost" in lines[0], lines
+    assert again.status_code == 200 and again.json()["choices"][0]["text"] == text
+    assert len(rejoined) == 1 and [e["restarts"] for e in engines] == [1, 1] and all(e["healthy"] for e in engines)
     assert code == 0, s.log()[-3000:]

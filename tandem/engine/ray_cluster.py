@@ -1,0 +1,165 @@
+"""The Ray cluster under ``--data-parallel-backend ray``, watched from the API server.
+
+Ray ends a driver's process once its GCS has been unreachable for ``gcs_rpc_server_reconnect_timeout_s``
+(60 s by default; ``rpc_client.h``: "Failed to connect to GCS within 60 seconds ... The program will
+terminate", exit code 1, on stderr only): that is what a killed ``ray start --head`` (or a dead local head
+of ``ray.init``) did to ``tandem serve``. ``ClusterWatch`` checks every second that the GCS accepts a TCP
+connection; after ``cluster_lost_after_s`` without one it logs one ERROR naming the cluster, leaves it
+(``ray.shutdown``, before Ray's own timeout) and marks it ``lost``: the engines stop using Ray and answer
+503. With a ``rejoin`` action (a cluster joined at an address), it then waits for the GCS to answer again
+and runs it (join, place and start the engine actors again); without one (a local cluster this server
+started) the server must be restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+CHECK_INTERVAL_S = 1.0  # how often the GCS must accept a connection
+LOST_AFTER_S = 10.0  # the cluster counts as lost after this long without (at most a third of Ray's timeout)
+RAY_GCS_TIMEOUT_S = 60.0  # Ray's default gcs_rpc_server_reconnect_timeout_s: a driver exits after this
+REJOIN_RETRY_S = 5.0  # pause after a failed rejoin
+
+
+def cluster_lost_after_s(environ: dict[str, str] | None = None) -> float:
+    """Seconds without an answer from the GCS after which the server leaves the cluster: at most
+    ``LOST_AFTER_S`` and at most a third of Ray's own ``RAY_gcs_rpc_server_reconnect_timeout_s`` (so the
+    server leaves before Ray ends it; leaving takes about 5 s, in ``shutdown_driver``), at least one check
+    interval. No state changes."""
+    value = (os.environ if environ is None else environ).get("RAY_gcs_rpc_server_reconnect_timeout_s", "")
+    try:
+        ray_timeout_s = float(value) if value else RAY_GCS_TIMEOUT_S
+    except ValueError:
+        ray_timeout_s = RAY_GCS_TIMEOUT_S
+    return max(CHECK_INTERVAL_S, min(LOST_AFTER_S, ray_timeout_s / 3))
+
+
+def unreachable(address: str | None, timeout_s: float) -> str | None:
+    """Why a plain ``HOST:PORT`` address refuses a TCP connection (None: it accepts one, or the address is
+    another form: None, ``auto``, ``ray://...``). No state changes."""
+    host, sep, port = (address or "").rpartition(":")
+    if not sep or not port.isdigit() or not host or "/" in host:
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def reinstall_signal_handlers() -> None:
+    """Sets SIGTERM's and SIGINT's Python handlers again at the C level (call in the main thread): Ray's
+    ``shutdown_driver`` resets SIGTERM to its default action (the process would die at the next SIGTERM
+    instead of shutting down gracefully)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        handler = signal.getsignal(sig)
+        if handler is not None:
+            signal.signal(sig, handler)
+
+
+class ClusterWatch:
+    """Watches the GCS at ``gcs_address`` in a daemon thread (``start`` / ``close``).
+
+    Args:
+        ray: the ``ray`` module. gcs_address: ``HOST:PORT`` of the cluster's GCS.
+        rejoin: joins the cluster again and starts the engine actors (blocking; raises on failure); None:
+            a lost cluster stays lost.
+
+    Attributes:
+        lost: why the cluster counts as lost (None while it serves); Ray is not called meanwhile.
+        lock: held by every Ray call of the server (``RayEngines``), so none runs while leaving.
+        loop: the serving event loop, where the signal handlers are set again after leaving.
+    """
+
+    def __init__(self, ray: Any, gcs_address: str, rejoin: Callable[[], None] | None) -> None:
+        self.ray = ray
+        self.gcs_address = gcs_address
+        self.rejoin = rejoin
+        self.lost: str | None = None
+        self.lock = threading.Lock()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.num_rejoins = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tandem-ray-cluster-watch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def close(self) -> None:
+        """Stops watching (waits for the thread, e.g. for a rejoin under way). Idempotent."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        lost_after_s = cluster_lost_after_s()
+        first_failure: float | None = None
+        while not self._stop.wait(CHECK_INTERVAL_S):
+            why = unreachable(self.gcs_address, CHECK_INTERVAL_S)
+            if self.lost is not None:
+                if why is None and self.rejoin is not None:
+                    self._try_rejoin()
+                continue
+            if why is None:
+                first_failure = None
+                continue
+            now = time.monotonic()
+            first_failure = now if first_failure is None else first_failure
+            if now - first_failure >= lost_after_s:
+                first_failure = None
+                after = ("until the cluster is back (it then starts the engine actors again)" if self.rejoin
+                         else "until it is restarted")
+                self._leave(f"the Ray cluster at {self.gcs_address} is unreachable ({why}; for {lost_after_s:.0f} "
+                            f"s): its engine actors are lost; the server answers 503 {after}")
+
+    def _leave(self, reason: str) -> None:
+        """Marks the cluster lost (one ERROR) and leaves it. Changes: ``lost``; Ray's connection."""
+        with self.lock:
+            self.lost = reason
+            logger.error("%s", reason)
+            try:
+                self.ray.shutdown()
+            except Exception as e:  # noqa: BLE001 - leaving a dead cluster; nothing else to do
+                logger.warning("leaving the lost Ray cluster: %s: %s", type(e).__name__, e)
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(reinstall_signal_handlers)
+
+    def _try_rejoin(self) -> None:
+        """Runs ``rejoin`` (the GCS answers again); on success the cluster serves again. Changes: ``lost``."""
+        logger.warning("the Ray cluster at %s answers again: joining it and starting the engine actors",
+                       self.gcs_address)
+        t0 = time.monotonic()
+        try:
+            self.rejoin()  # type: ignore[misc]
+        except Exception as e:  # noqa: BLE001 - any failure: leave again and retry later
+            logger.warning("cannot rejoin the Ray cluster at %s yet: %s: %s", self.gcs_address, type(e).__name__, e)
+            with self.lock:
+                try:
+                    self.ray.shutdown()
+                except Exception:  # noqa: BLE001 - not joined
+                    pass
+            if self.loop is not None and not self.loop.is_closed():
+                self.loop.call_soon_threadsafe(reinstall_signal_handlers)
+            self._stop.wait(REJOIN_RETRY_S)
+            return
+        with self.lock:
+            self.lost = None
+        self.num_rejoins += 1
+        logger.warning("rejoined the Ray cluster at %s: engine actors ready in %.1f s", self.gcs_address,
+                       time.monotonic() - t0)
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(reinstall_signal_handlers)
