@@ -8,14 +8,20 @@ Contenders run in rotation, ``--repeats`` rounds; the median is printed (and the
 on a loaded shared machine is the closest to a quiet one), so a noisy machine slows them alike.
 
     PYTHONPATH=$PWD python benchmarks/kernel_bench.py [--k 896 --n 4864 --threads 2 --repeats 15]
+
+``--baseline DIR`` also times each variant built from another checkout's kernels (``DIR`` =
+``/work/main``: that repository's ``tandem/kernels/csrc``), labelled ``baseline <variant>``, in the
+same rotation: old and new kernels side by side in one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -45,11 +51,31 @@ OPS = {"bf16": "linear_bf16", "int8": "linear_int8", "int4": "linear_int4", "q8_
        "q4_1": "linear_q4_1"}
 
 
-def contenders(fmt: str, tensors: tuple[torch.Tensor, ...], x: torch.Tensor) -> dict[str, Callable[[], object]]:
+@contextlib.contextmanager
+def sources_of(checkout: Path) -> Iterator[None]:
+    """Builds and loads variants from ``checkout``'s kernel sources while inside (a digest of its own)."""
+    saved = build.CSRC
+    build.CSRC = checkout / "tandem" / "kernels" / "csrc"
+    try:
+        yield
+    finally:
+        build.CSRC = saved
+
+
+def modules(baseline: Path | None) -> dict[str, object]:
+    """``{label: compiled module}``: every variant this CPU runs, and with ``baseline`` its builds too."""
+    out = {name: build.load_variant(name) for name in build.VARIANTS}
+    if baseline is not None:
+        with sources_of(baseline):
+            out |= {f"baseline {name}": build.load_variant.__wrapped__(name) for name in build.VARIANTS}
+    return {label: module for label, module in out.items() if module is not None}
+
+
+def contenders(fmt: str, tensors: tuple[torch.Tensor, ...], x: torch.Tensor,
+               mods: dict[str, object]) -> dict[str, Callable[[], object]]:
     out: dict[str, Callable[[], object]] = {}
-    for name in build.VARIANTS:
-        module = build.load_variant(name)
-        if module is not None and hasattr(module, OPS[fmt]):
+    for name, module in mods.items():
+        if hasattr(module, OPS[fmt]):
             fn = getattr(module, OPS[fmt])
             out[name] = lambda fn=fn: fn(x, *tensors)
     if fmt == "bf16":
@@ -80,7 +106,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--formats", default="bf16,int8,int4,q8_0,q4_1")
     parser.add_argument("--tokens", default="1,16,512")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="another checkout whose kernels are timed alongside (e.g. /work/main)")
     args = parser.parse_args()
+    mods = modules(args.baseline)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     k, n = args.k, args.n
@@ -95,7 +124,7 @@ def main() -> None:
               f"(best {flops / fp32_best / 1e9:.1f})")
         for fmt in args.formats.split(","):
             tensors, nbytes = weights(fmt, n, k)
-            for name, (t, best) in median_times(contenders(fmt, tensors, x), args.repeats).items():
+            for name, (t, best) in median_times(contenders(fmt, tensors, x, mods), args.repeats).items():
                 work, unit = (nbytes, "GB/s") if m == 1 else (flops, "GFLOP/s")
                 print(f"  {fmt:5s} {name:24s} {t * 1e3:8.3f} ms  {work / t / 1e9:6.1f} {unit} "
                       f"(best {work / best / 1e9:6.1f})  {fp32 / t:.2f}x fp32 mm")

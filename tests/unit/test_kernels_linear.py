@@ -13,7 +13,8 @@ x86-64 machine, avx512_bf16 too where the CPU has it). Bounds (why each toleranc
   quantized    avx2 vs the float64 value of llama.cpp's arithmetic on the quantized activations
                (``quantized_reference``): only fp32 rounding of the block terms and bf16 output rounding.
   dequantize*  equal to the Python dequantization rounded to bf16, bit for bit.
-  invariance   every variant: a token's outputs are bit-identical at M = 1 and inside batches of 2 .. 300.
+  invariance   every variant: a token's outputs are bit-identical at M = 1 and inside batches of 2 .. 300
+               (bf16: every M from 2 to 40, K with and without chunks past the 4-chain loop).
 """
 
 from __future__ import annotations
@@ -189,6 +190,28 @@ def test_linear_is_batch_invariant(variant: str, fmt: str, bias: bool, k: int) -
     for m in (2, 3, 5, 8, 16, 17, 64, 300):
         for start in {0, 300 - m, (300 - m) // 2}:
             assert torch.equal(fn(x[start : start + m], *tensors, b), alone[start : start + m]), (m, start)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("k", [896, 4864, 130, 2600, 31])
+def test_linear_bf16_every_token_count_is_one_token_bits(variant: str, k: int) -> None:
+    """bf16, M = 2 .. 40 against M = 1 bit for bit, and M = 1 against float64: Qwen2.5-0.5B's K (896, 4864:
+    whole 4-chain groups), K past the 4-chain loop (130: one masked chunk; 2600: two 1024-element blocks
+    of avx512_bf16's passes, a partial one, a whole and a masked chunk after), K below one chunk (31);
+    21 rows leave one past the 4-row tiles."""
+    g = gen(k + 5)
+    tensors, w = layer("bf16", 21, k, g)
+    x = activations(45, k, g)
+    b = torch.randn(21, generator=g).bfloat16()
+    fn = kernel(variant, "bf16")
+    alone = torch.cat([fn(x[i : i + 1], *tensors, b) for i in range(45)])
+    for m in range(2, 41):
+        for start in (0, 45 - m):
+            assert torch.equal(fn(x[start : start + m], *tensors, b), alone[start : start + m]), (m, start)
+    ref = x.double() @ w.T + b.double()
+    mag = x.double().abs() @ w.abs().T + b.double().abs()
+    bound = 2**-8 * ref.abs() + (k / 8 + 5) * 2**-24 * mag + 1e-30
+    assert ((alone.double() - ref).abs() <= bound).all()
 
 
 @pytest.mark.skipif("avx512_bf16" not in VARIANTS, reason="the avx512_bf16 variant does not run here")

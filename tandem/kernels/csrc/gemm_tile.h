@@ -1,7 +1,7 @@
 // The bf16 dot-product micro-kernel shared by the bf16 and the weight-only quantized linear kernels.
 //
-// dot_row<MB, U> and dot_tile_chains<MB, RB> compute MB x 1 and MB x RB dot products of length K: rows of w
-// in their natural [N, K] layout, tokens of x [M, K], in one order for both (see accumulate_tile_chains).
+// dot_row<MB, U> and dot_tile_passes<MB, RB, CP> compute MB x 1 and MB x RB dot products of length K: rows
+// of w in their natural [N, K] layout, tokens of x [M, K], in one order for both (see kChains).
 // Each `vdpbf16ps` (_mm512_dpbf16_ps, Intel SDM "VDPBF16PS") multiplies 32 bf16 pairs exactly and adds them into 16 fp32 lanes; lanes are summed at the end.
 #pragma once
 
@@ -14,6 +14,9 @@
 // NOTE: GCC keeps arrays of vector accumulators on the stack (a store and a load per dot product,
 // 15% slower when streaming from DRAM) unless the small loops over them are unrolled early.
 #define TANDEM_UNROLL _Pragma("GCC unroll 16")
+// The same for loops over up to 32 accumulators (dot_tile_passes' 24): "unroll 16" leaves such a loop
+// rolled, and the whole array then lives on the stack.
+#define TANDEM_UNROLL_ALL _Pragma("GCC unroll 32")
 
 namespace tandem {
 
@@ -119,53 +122,12 @@ inline void dot_row(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K
 // it: 32-element chunks in K order, chunk c of the first kChains * floor(K / (32 kChains)) into
 // accumulator c % kChains, the rest (whole or masked) into accumulator 0; then a0 + a1 (+ a2 ...) in
 // order and the lane sum of _mm512_reduce_add_ps (sum8 adds the lanes in the same tree, bit for bit:
-// halves, quarters, pairs, then the two lanes). The tiles below (MB tokens x RB rows, kChains
-// accumulators each) keep that order, so a token's value does not depend on how many tokens share the
-// call (issue 11, item 5).
+// halves, quarters, pairs, then the two lanes). The tiles below (dot_tile_passes: MB tokens x RB rows)
+// keep that order, so a token's value does not depend on how many tokens share the call (issue 11, item 5).
 // NOTE: 4 chains, the one-token kernel's order from before (one chain is vdpbf16ps-latency-bound, 25-35%
-// slower at one token on Zen 5), so batch-1 decode runs unchanged code; tiles are then 2 tokens x 3 rows
-// (24 accumulators). 2 chains (4x3 tiles, sum8) were faster at 16 tokens but could not be told apart from
-// 4 at one token on the loaded machine of 2026-12-02, so batch 1 kept the measured code.
+// slower at one token on Zen 5), so batch-1 decode runs unchanged code. 2 chains (4x3 tiles, sum8) were
+// faster at 16 tokens but 8-14% slower at one token (README, Performance).
 constexpr int kChains = 4;
-
-template <int MB, int RB>
-__attribute__((always_inline)) inline void accumulate_tile_chains(const uint16_t* x, int64_t ldx, const uint16_t* w,
-                                                                  int64_t ldw, int64_t K, __m512* acc,
-                                                                  const uint16_t* pf) {
-  constexpr int U = kChains;
-  int64_t k = 0;
-  for (; k + 32 * U <= K; k += 32 * U) {
-    if (pf != nullptr)
-      TANDEM_UNROLL
-      for (int r = 0; r < RB; ++r)
-        TANDEM_UNROLL
-        for (int u = 0; u < U; ++u) _mm_prefetch(reinterpret_cast<const char*>(pf + r * ldw + k + 32 * u), _MM_HINT_T0);
-    TANDEM_UNROLL
-    for (int u = 0; u < U; ++u) {
-      __m512bh wv[RB];
-      TANDEM_UNROLL
-      for (int r = 0; r < RB; ++r) wv[r] = load_bf16(w + r * ldw + k + 32 * u);
-      TANDEM_UNROLL
-      for (int m = 0; m < MB; ++m) {
-        const __m512bh xv = load_bf16(x + m * ldx + k + 32 * u);
-        TANDEM_UNROLL
-        for (int r = 0; r < RB; ++r) acc[(m * RB + r) * U + u] = _mm512_dpbf16_ps(acc[(m * RB + r) * U + u], xv, wv[r]);
-      }
-    }
-  }
-  for (; k < K; k += 32) {
-    const __mmask32 mask = K - k >= 32 ? (__mmask32)0xFFFFFFFF : (__mmask32)((1ULL << (K - k)) - 1);
-    __m512bh wv[RB];
-    TANDEM_UNROLL
-    for (int r = 0; r < RB; ++r) wv[r] = load_bf16_masked(w + r * ldw + k, mask);
-    TANDEM_UNROLL
-    for (int m = 0; m < MB; ++m) {
-      const __m512bh xv = load_bf16_masked(x + m * ldx + k, mask);
-      TANDEM_UNROLL
-      for (int r = 0; r < RB; ++r) acc[(m * RB + r) * U] = _mm512_dpbf16_ps(acc[(m * RB + r) * U], xv, wv[r]);
-    }
-  }
-}
 
 // r[n] = sum of the 16 lanes of v[n] for n < 8 (lanes 8-15 are unspecified), in _mm512_reduce_add_ps's
 // order: lanes i + (i + 8), then + 4, + 2, + 1 (transposing 8 vectors, about a third of the instructions).
@@ -184,41 +146,123 @@ inline __m512 sum8(const __m512* v) {
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0), w);
 }
 
-// out[m * RB + r] = sum_k x[m, k] * w[r, k] in dot_row<MB, kChains>'s order (see accumulate_tile_chains).
-template <int MB, int RB>
-inline void dot_tile_chains(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, float* out,
-                            const uint16_t* pf) {
+// One pass of dot_tile_passes over the K block [k0, k1) (k1 <= the end of the 4-chain loop): chains
+// p CP .. p CP + CP - 1 of MB x RB dot products, continuing from their partial sums in part
+// (part[(c D + i) 16 ..]: chain c of dot product i), or from zero in the first block.
+template <int MB, int RB, int CP, int p, bool first>
+__attribute__((always_inline)) inline void tile_pass(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw,
+                                                     int64_t k0, int64_t k1, float* part, const uint16_t* pf) {
   constexpr int U = kChains, D = MB * RB;
-  static_assert(D * U <= 24, "dot_tile_chains: too many accumulators for 32 registers");
-  __m512 acc[D * U];
-  TANDEM_UNROLL
-  for (int i = 0; i < D * U; ++i) acc[i] = _mm512_setzero_ps();
-  accumulate_tile_chains<MB, RB>(x, ldx, w, ldw, K, acc, pf);
-  __m512 sum[D];
-  TANDEM_UNROLL
-  for (int i = 0; i < D; ++i) {
-    sum[i] = acc[U * i];
+  __m512 acc[D * CP];
+  TANDEM_UNROLL_ALL
+  for (int i = 0; i < D; ++i)
     TANDEM_UNROLL
-    for (int u = 1; u < U; ++u) sum[i] = _mm512_add_ps(sum[i], acc[U * i + u]);
+    for (int u = 0; u < CP; ++u)
+      acc[i * CP + u] = first ? _mm512_setzero_ps() : _mm512_load_ps(part + ((p * CP + u) * D + i) * 16);
+  for (int64_t k = k0 + 32 * CP * p; k < k1; k += 32 * U) {
+    if constexpr (p == 0)  // the next tile's rows in order, all the block's lines (one pass ahead of the rest)
+      if (pf != nullptr)
+        TANDEM_UNROLL
+        for (int r = 0; r < RB; ++r)
+          TANDEM_UNROLL
+          for (int u = 0; u < U; ++u) _mm_prefetch(reinterpret_cast<const char*>(pf + r * ldw + k + 32 * u), _MM_HINT_T0);
+    TANDEM_UNROLL
+    for (int u = 0; u < CP; ++u) {
+      __m512bh wv[RB];
+      TANDEM_UNROLL
+      for (int r = 0; r < RB; ++r) wv[r] = load_bf16(w + r * ldw + k + 32 * u);
+      TANDEM_UNROLL
+      for (int m = 0; m < MB; ++m) {
+        const __m512bh xv = load_bf16(x + m * ldx + k + 32 * u);
+        TANDEM_UNROLL
+        for (int r = 0; r < RB; ++r) acc[(m * RB + r) * CP + u] = _mm512_dpbf16_ps(acc[(m * RB + r) * CP + u], xv, wv[r]);
+      }
+    }
   }
-  int i = 0;
-  if constexpr (D >= 8) {
-    _mm256_storeu_ps(out, _mm512_castps512_ps256(sum8(sum)));
-    i = 8;
-  }
-  TANDEM_UNROLL
-  for (; i < D; ++i) out[i] = _mm512_reduce_add_ps(sum[i]);
+  TANDEM_UNROLL_ALL
+  for (int i = 0; i < D; ++i)
+    TANDEM_UNROLL
+    for (int u = 0; u < CP; ++u) _mm512_store_ps(part + ((p * CP + u) * D + i) * 16, acc[i * CP + u]);
 }
 
-// The last T or fewer tokens of a token tile: one dot_tile_chains of exactly `rest` (1..T) tokens.
-template <int T, int RB>
-inline void dot_rest_chains(int64_t rest, const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* w, int64_t ldw,
+// The kChains / CP passes of one K block.
+template <int MB, int RB, int CP, bool first>
+__attribute__((always_inline)) inline void block_passes(const uint16_t* x, int64_t ldx, const uint16_t* w,
+                                                        int64_t ldw, int64_t k0, int64_t k1, float* part,
+                                                        const uint16_t* pf) {
+  tile_pass<MB, RB, CP, 0, first>(x, ldx, w, ldw, k0, k1, part, pf);
+  if constexpr (CP < 4) tile_pass<MB, RB, CP, 1, first>(x, ldx, w, ldw, k0, k1, part, pf);
+  if constexpr (CP < 2) {
+    tile_pass<MB, RB, CP, 2, first>(x, ldx, w, ldw, k0, k1, part, pf);
+    tile_pass<MB, RB, CP, 3, first>(x, ldx, w, ldw, k0, k1, part, pf);
+  }
+}
+
+// out[m * RB + r] = sum_k x[m, k] * w[r, k] in dot_row<1, kChains>'s order, chain-major: for each block of
+// kb elements of K (a multiple of 32 kChains), kChains / CP passes, pass p summing only chains
+// p CP .. p CP + CP - 1 (chunk c of the 4-chain loop belongs to chain c % kChains) with CP accumulators
+// per dot product, each continued from its partial sum of the blocks before; then the chunks past the
+// 4-chain loop into chain 0, the combine a0 + a1 + a2 + a3 and the lane sums, as dot_row. So MB x RB dot
+// products need MB RB CP accumulators, not MB RB kChains (4 x 4 tiles with CP = 1 where 4 chains in
+// registers allow 2 x 3), and the K block of the tile's rows and tokens stays in L1 between passes (each
+// pass reads one 64-byte line in kChains).
+template <int MB, int RB, int CP>
+inline void dot_tile_passes(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, int64_t kb,
                             float* out, const uint16_t* pf) {
+  constexpr int U = kChains, D = MB * RB;
+  static_assert(U == 4 && (CP == 1 || CP == 2 || CP == 4), "dot_tile_passes: 4 chains, 1, 2 or 4 per pass");
+  static_assert(D * CP <= 24, "dot_tile_passes: too many accumulators for 32 registers");
+  alignas(64) float buf[U * D * 16];
+  float* part = buf;
+  // NOTE: an opaque pointer, so that GCC keeps the partial sums in memory: given the array itself it
+  // splits it into 4 D vector variables and spills them all around the passes (1.6x the time).
+  asm("" : "+r"(part));
+  const int64_t main_end = K / (32 * U) * (32 * U);
+  if (main_end == 0) {
+    for (int i = 0; i < U * D * 16; ++i) part[i] = 0.0f;
+  } else {
+    const int64_t k1 = main_end < kb ? main_end : kb;
+    block_passes<MB, RB, CP, true>(x, ldx, w, ldw, 0, k1, part, pf);
+    for (int64_t k0 = k1; k0 < main_end; k0 += kb)
+      block_passes<MB, RB, CP, false>(x, ldx, w, ldw, k0, main_end - k0 < kb ? main_end : k0 + kb, part, pf);
+  }
+  __m512 acc[D];  // chain 0 + the chunks past the 4-chain loop, then + chains 1, 2, 3
+  TANDEM_UNROLL_ALL
+  for (int i = 0; i < D; ++i) acc[i] = _mm512_load_ps(part + i * 16);
+  for (int64_t k = main_end; k < K; k += 32) {
+    const __mmask32 mask = K - k >= 32 ? (__mmask32)0xFFFFFFFF : (__mmask32)((1ULL << (K - k)) - 1);
+    __m512bh wv[RB];
+    TANDEM_UNROLL
+    for (int r = 0; r < RB; ++r) wv[r] = load_bf16_masked(w + r * ldw + k, mask);
+    TANDEM_UNROLL
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = load_bf16_masked(x + m * ldx + k, mask);
+      TANDEM_UNROLL
+      for (int r = 0; r < RB; ++r) acc[m * RB + r] = _mm512_dpbf16_ps(acc[m * RB + r], xv, wv[r]);
+    }
+  }
+  TANDEM_UNROLL_ALL
+  for (int i = 0; i < D; ++i)
+    TANDEM_UNROLL
+    for (int c = 1; c < U; ++c) acc[i] = _mm512_add_ps(acc[i], _mm512_load_ps(part + (c * D + i) * 16));
+  int i = 0;
+  TANDEM_UNROLL
+  for (; i + 8 <= D; i += 8) _mm256_storeu_ps(out + i, _mm512_castps512_ps256(sum8(acc + i)));
+  TANDEM_UNROLL
+  for (; i < D; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+// The last T or fewer tokens of a token tile in passes: exactly `rest` (1..T) tokens, CP as large as
+// 24 accumulators allow (fewer passes where fewer dot products share them).
+template <int T, int RB>
+inline void dot_rest_passes(int64_t rest, const uint16_t* x, int64_t ldx, int64_t K, int64_t kb, const uint16_t* w,
+                            int64_t ldw, float* out, const uint16_t* pf) {
   if constexpr (T > 0) {
+    constexpr int CP = T * RB * 4 <= 24 ? 4 : (T * RB * 2 <= 24 ? 2 : 1);
     if (rest == T)
-      dot_tile_chains<T, RB>(x, ldx, w, ldw, K, out, pf);
+      dot_tile_passes<T, RB, CP>(x, ldx, w, ldw, K, kb, out, pf);
     else
-      dot_rest_chains<T - 1, RB>(rest, x, ldx, K, w, ldw, out, pf);
+      dot_rest_passes<T - 1, RB>(rest, x, ldx, K, kb, w, ldw, out, pf);
   }
 }
 

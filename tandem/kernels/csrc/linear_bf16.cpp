@@ -4,11 +4,11 @@
 // layout (no packing). One or two tokens (memory-bound) read one row at a time (dot_row in
 // gemm_tile.h: a single sequential stream, kChains = 4 accumulators per dot product to hide the
 // vdpbf16ps latency: one accumulator measured 25-35% slower at one token on Zen 5); more tokens use
-// register tiles of 2 tokens x 3 rows (dot_tile_chains), prefetching the next tile. Every path sums a
-// dot product in dot_row<1, kChains>'s order (accumulate_tile_chains), so a (token, row) value has the
-// same bits whatever the number of tokens (batch invariance, issue 11 item 5); the price is compute
-// from 3 tokens on: 4 accumulators per dot product leave 6 dot products per tile, where the
-// single-accumulator 8x3 tiles before did 24 (README, Performance: measured costs). Products of two bf16
+// register tiles of 4 tokens x 4 rows (dot_tile_passes), prefetching the next tile. Every path sums a
+// dot product in dot_row<1, kChains>'s order, so a (token, row) value has the same bits whatever the
+// number of tokens (batch invariance, issue 11 item 5): a tile runs the 4 chains as 4 passes over each
+// 1024-element block of K with one accumulator per dot product, so it holds 16 dot products where 4
+// chains in registers held 6 (2x3 tiles; README, Performance: measured costs). Products of two bf16
 // values are exact in fp32, so the only rounding is fp32 accumulation and the final
 // round-to-nearest-even to bf16 (as oneDNN does). Threads split the rows (tandem::avx2::parallel_for: the
 // worker team of avx2/parallel.cpp, shared by both variants): each reads a contiguous slice.
@@ -18,6 +18,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "gemm_tile.h"
@@ -44,23 +45,35 @@ Output output(at::Tensor& y, const float* scale, const at::Tensor& bias) {
 }  // namespace tandem
 
 // y = x . w^T for M >= 3 tokens: tiles of RB rows (split over threads) x MB tokens, the last token tile
-// smaller, each dot product in dot_row<1, kChains>'s order (dot_tile_chains).
+// smaller, each dot product in dot_row<1, kChains>'s order (dot_tile_passes: one accumulator per dot
+// product, 4 passes per block of kKBlock elements of K). Tokens go in blocks of about kTokenBlockBytes
+// of x, so that a block stays in L2 while a thread's rows stream past it.
+constexpr int64_t kTokenBlockBytes = 384 << 10, kKBlock = 1024;
+
 template <int MB, int RB>
 static void tiled(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, int64_t K,
                    const tandem::Output& out) {
   const int64_t tiles = N / RB;
+  const int64_t block = std::max<int64_t>(MB, kTokenBlockBytes / (2 * K) / MB * MB);
   tandem::avx2::parallel_for(0, tiles, 64 / RB, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(M * RB);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t row0 = t * RB;
-      const uint16_t* w = wp + row0 * K;
-      const uint16_t* next = t + 1 < end ? w + RB * K : nullptr;
-      int64_t m = 0;
-      for (; m + MB <= M; m += MB)
-        tandem::dot_tile_chains<MB, RB>(xp + m * K, K, w, K, K, acc.data() + m * RB, m == 0 ? next : nullptr);
-      if (m < M)
-        tandem::dot_rest_chains<MB - 1, RB>(M - m, xp + m * K, K, K, w, K, acc.data() + m * RB, m == 0 ? next : nullptr);
-      out.store_vec(acc.data(), RB, M, row0);
+    std::vector<float> acc(std::min(block, M) * RB);
+    for (int64_t m0 = 0; m0 < M; m0 += block) {
+      const int64_t mt = std::min(block, M - m0);
+      const tandem::Output o{out.y + m0 * out.N, out.N, out.scale, out.bias};
+      const uint16_t* xb = xp + m0 * K;
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t row0 = t * RB;
+        const uint16_t* w = wp + row0 * K;
+        const uint16_t* next = t + 1 < end ? w + RB * K : nullptr;
+        int64_t m = 0;
+        for (; m + MB <= mt; m += MB)
+          tandem::dot_tile_passes<MB, RB, 1>(xb + m * K, K, w, K, K, kKBlock, acc.data() + m * RB,
+                                             m == 0 ? next : nullptr);
+        if (m < mt)
+          tandem::dot_rest_passes<MB - 1, RB>(mt - m, xb + m * K, K, K, kKBlock, w, K, acc.data() + m * RB,
+                                              m == 0 ? next : nullptr);
+        o.store_vec(acc.data(), RB, mt, row0);
+      }
     }
   });
   std::vector<float> acc(M);
@@ -95,6 +108,6 @@ at::Tensor linear_bf16(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bia
     });
     return y;
   }
-  tiled<tandem::kChains == 2 ? 4 : 2, 3>(xp, wp, M, N, K, out);  // 24 accumulators at most
+  tiled<4, 4>(xp, wp, M, N, K, out);
   return y;
 }
