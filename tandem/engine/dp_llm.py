@@ -9,7 +9,7 @@ outstanding tokens dispatched to it. The request's stream is that engine's, so i
 that engine. A dead engine is left out until its supervisor has restarted it (its index is cleared:
 the new core starts with an empty cache); a request refused by a full engine (429) or one that died
 while accepting it is tried on the next one. A prompt whose engine core dies later, before any of its
-output can have reached the client, is re-dispatched once to another engine (``DispatchedStream``).
+output can have reached the client, is re-dispatched once to another engine (``dp_stream.py``).
 """
 
 from __future__ import annotations
@@ -17,18 +17,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
 from tandem.engine.async_llm import AsyncLLM
+from tandem.engine.dp_stream import Dispatch, DispatchedStream
 from tandem.engine.request_stream import RequestStream
 from tandem.errors import DuplicateRequestError, EngineDeadError, EngineRequestError
 from tandem.kv_cache.events import KVEventBatch
 from tandem.kv_cache.hashing import hash_token_blocks
-from tandem.outputs import RequestOutput
 from tandem.router.kv_index import EventBlockIndex
 from tandem.router.policy import AllBackendsFullError, BackendState, NoHealthyBackendError, Policy
 from tandem.sampling_params import SamplingParams
@@ -38,22 +37,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 QUEUE_FULL_RETRY_AFTER_S = 1.0
 NO_ENGINE_RETRY_AFTER_S = 2.0
-
-
-@dataclass(frozen=True)
-class Dispatch:
-    """What it takes to send one prompt to an engine (again): ``AsyncLLM.add_request``'s arguments,
-    ``arrival_time`` fixed at the first dispatch (``time.monotonic()`` seconds: TTFT and e2e count from
-    there), the prompt's chained block hashes and the tokens it is counted for (prompt + max_tokens, x n)."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    output_kind: str
-    arrival_time: float
-    block_hashes: list[int]
-    num_tokens: int
 
 
 class DataParallelLLM:
@@ -199,7 +182,8 @@ class DataParallelLLM:
     ) -> DispatchedStream:
         """Sends one prompt to the engine the policy picks (``AsyncLLM.add_request``); on a 429 from a
         full engine, or the engine's death before it accepted the prompt, the next choice is tried. The
-        stream re-dispatches the prompt once if its engine core dies before any output reached the client.
+        stream re-dispatches the prompt once if its engine core dies before any output reached the client
+        (once in all: a prompt moved off an engine that died while accepting it is not moved again).
 
         Raises:
             DuplicateRequestError: ``request_id`` is in flight already.
@@ -215,16 +199,18 @@ class DataParallelLLM:
                        (len(prompt_token_ids) + (params.max_tokens or 0)) * params.n)
         self._live.add(request_id)
         try:
-            rank, stream = await self._dispatch(job, (), None)
+            rank, stream, left = await self._dispatch(job, (), None)
         except BaseException:
             self._live.discard(request_id)
             raise
-        return DispatchedStream(self, job, rank, stream)
+        return DispatchedStream(self, job, rank, stream, moved=left is not None)
 
-    async def _dispatch(self, job: Dispatch, exclude: Sequence[BackendState],
-                        last: Exception | None) -> tuple[int, RequestStream]:
+    async def _dispatch(self, job: Dispatch, exclude: Sequence[BackendState], last: Exception | None,
+                        left: int | None = None) -> tuple[int, RequestStream, int | None]:
         """Sends ``job`` to the policy's choice among the engines not in ``exclude``, trying the next one
-        while an engine answers 429 or dies before accepting it; returns (rank, the engine's stream).
+        while an engine answers 429 or dies before accepting it. Returns (rank, the engine's stream, the
+        rank of the dead engine it was moved away from, or None); a move (``left``: one already made by the
+        caller) is counted in ``tandem:request_redispatches_total`` once an engine accepts the prompt.
         The router's counters hold the prompt until that stream ends. Raises: see ``add_request``
         (``last`` when no engine is left to try and it is set)."""
         tried = list(exclude)
@@ -234,7 +220,7 @@ class DataParallelLLM:
             ticket = self.policy.on_dispatch(backend, job.block_hashes, job.num_tokens)
             rank = int(backend.name)
             try:
-                return rank, await self.engines[rank].add_request(
+                stream = await self.engines[rank].add_request(
                     job.request_id, job.prompt, job.prompt_token_ids, job.params, job.output_kind, job.arrival_time,
                     on_end=partial(self.policy.on_complete, ticket))
             except (EngineDeadError, EngineRequestError) as e:
@@ -242,9 +228,17 @@ class DataParallelLLM:
                 if isinstance(e, EngineRequestError) and e.status != 429:
                     raise
                 last = e  # NOTE: this engine is full or died before accepting: try the next one
+                left = rank if left is None and isinstance(e, EngineDeadError) else left
             except BaseException:
                 self.policy.on_complete(ticket)
                 raise
+            else:
+                if left is not None:
+                    logger.warning("request %s: engine core %d died before any output was sent; re-dispatched to "
+                                   "engine %d", job.request_id, left, rank)
+                    if self.metrics is not None:
+                        self.metrics.record_redispatch(left)
+                return rank, stream, left
             tried.append(backend)
 
     def _choose(self, hashes: list[int], tried: list[BackendState], last: Exception | None) -> BackendState:
@@ -260,10 +254,6 @@ class DataParallelLLM:
 
     def _release(self, request_id: str) -> None:
         self._live.discard(request_id)
-
-    def _count_redispatch(self, rank: int) -> None:
-        if self.metrics is not None:
-            self.metrics.record_redispatch(rank)
 
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams, output_kind: str = "delta"):
@@ -308,85 +298,3 @@ class DataParallelLLM:
         await asyncio.gather(*(engine.shutdown() for engine in self.engines))
 
 
-
-class DispatchedStream:
-    """The outputs of one prompt from the engine serving it (``RequestStream``'s interface).
-
-    When that engine's core dies before any of the prompt's output can have reached the client (a
-    stream, ``output_kind`` "delta": before its first output; any other kind, whose handler sends only
-    the finished output: before it finished), the prompt is sent once more, to another engine, from its
-    first token (greedy outputs are the same); ``tandem:request_redispatches_total{engine}`` counts it
-    under the engine it left. The dead engine has dropped the prompt by then (``AsyncLLM._fail_in_flight``)
-    and its router counters are released, so exactly one engine's output reaches the client. A second
-    death, a death during shutdown, or no other engine able to take it raises the first death's
-    ``EngineDeadError`` (503).
-
-    Args:
-        dp: the edge that dispatched it.
-        job: the prompt (``Dispatch``).
-        rank, stream: the engine it went to and that engine's ``RequestStream``.
-    """
-
-    def __init__(self, dp: DataParallelLLM, job: Dispatch, rank: int, stream: RequestStream) -> None:
-        self._dp = dp
-        self._job = job
-        self.rank = rank
-        self._stream = stream
-        self._redispatched = False
-        self._output_seen = False
-        self._ended = False
-
-    @property
-    def request_id(self) -> str:
-        return self._job.request_id
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self._job.prompt_token_ids
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        """Yields ``RequestOutput``s until one is finished.
-
-        Raises:
-            EngineDeadError: the engine core died after output was sent, or on the second engine too.
-        """
-        try:
-            while True:
-                try:
-                    async for out in self._stream:
-                        self._output_seen = True
-                        yield out
-                    return
-                except EngineDeadError as e:
-                    if not self._may_redispatch():
-                        raise
-                    await self._redispatch(e)
-        finally:
-            self.abort()
-
-    def _may_redispatch(self) -> bool:
-        sent = self._output_seen and self._job.output_kind == "delta"
-        return not (self._redispatched or sent or self._dp._shut_down is not None)
-
-    async def _redispatch(self, error: EngineDeadError) -> None:
-        """Sends the prompt to another engine. Changes: ``rank`` and the stream read.
-        Raises: ``error`` when no other engine takes it."""
-        self._redispatched = True
-        self._stream.abort()  # NOTE: idempotent: the dead engine dropped it; this releases its router counters
-        try:
-            rank, stream = await self._dp._dispatch(self._job, [self._dp.backends[self.rank]], error)
-        except (EngineDeadError, EngineRequestError) as e:
-            raise error from e
-        logger.warning("request %s: engine core %d died before its output was sent (%s); re-dispatched to "
-                       "engine %d", self._job.request_id, self.rank, error, rank)
-        self._dp._count_redispatch(self.rank)
-        self.rank, self._stream = rank, stream
-
-    def abort(self) -> None:
-        """Stops the prompt on its engine and releases its request id (idempotent)."""
-        try:
-            self._stream.abort()
-        finally:
-            if not self._ended:
-                self._ended = True
-                self._dp._release(self._job.request_id)

@@ -25,8 +25,9 @@ DIED = "the engine core process died"
 
 
 class FakeEngine:
-    """An ``AsyncLLM`` stand-in: accepts every prompt (or refuses with ``refuse``), sends the outputs a
-    test gives it (``emit``), and dies (``die``) as ``AsyncLLM._fail_in_flight`` does."""
+    """An ``AsyncLLM`` stand-in: accepts every prompt (refuses with ``refuse``; with ``hold``, leaves it
+    waiting for acceptance), sends the outputs a test gives it (``emit``), and dies (``die``) as
+    ``AsyncLLM._fail_in_flight`` does."""
 
     def __init__(self, rank: int) -> None:
         self.block_size, self.max_queue_len, self.max_model_len = 16, 0, 2048
@@ -35,6 +36,7 @@ class FakeEngine:
         self.supervisor = SimpleNamespace(num_restarts=0)
         self.dead: EngineDeadError | None = None
         self.refuse: EngineRequestError | None = None
+        self.hold = False
         self.states: dict[str, PromptState] = {}
         self.accepted: list[tuple[str, float]] = []  # (request id, arrival time)
 
@@ -55,8 +57,10 @@ class FakeEngine:
         loop = asyncio.get_running_loop()
         state = PromptState(request_id, prompt, prompt_token_ids, params, output_kind, [f"{request_id}-0"],
                             arrival_time, loop.create_future(), OutputCollector(delta=output_kind == "delta"))
-        state.accepted.set_result(None)
         self.states[request_id] = state
+        if not self.hold:
+            state.accepted.set_result(None)
+        await state.accepted
         self.accepted.append((request_id, arrival_time))
         return RequestStream(state, self.abort, on_end)
 
@@ -75,6 +79,8 @@ class FakeEngine:
         if self.on_core_lost is not None:
             self.on_core_lost()
         for state in self.states.values():
+            if not state.accepted.done():
+                state.accepted.set_exception(self.dead)
             state.collector.put(self.dead)
         self.states.clear()
 
@@ -231,3 +237,26 @@ def test_requests_ended_by_the_shutdown_are_not_redispatched():
     dp, b = asyncio.run(run())
     assert b.accepted == [] and redispatches(dp) == {"0": 0.0, "1": 0.0}
     assert outstanding(dp) == [(0, 0), (0, 0)]
+
+
+def test_a_prompt_moved_off_an_engine_that_died_while_accepting_it_is_counted_and_not_moved_again():
+    async def run():
+        dp, a, b = make_dp()
+        a.hold = True
+        adding = asyncio.create_task(dp.add_request("r", None, PROMPT, PARAMS, "cumulative"))
+        await until(lambda: "r" in a.states)
+        a.die()
+        stream = await adding
+        task = asyncio.create_task(final_outputs([stream]))
+        a.dead, a.hold = None, False  # NOTE: engine 0 is back: a second death still ends the request
+        await until(lambda: "r" in b.states)
+        b.die("engine 1 died as well")
+        await until(task.done)
+        with pytest.raises(EngineDeadError, match="engine 1 died as well"):
+            await task
+        return dp, a, b
+
+    dp, a, b = asyncio.run(run())
+    assert a.accepted == [] and [rid for rid, _ in b.accepted] == ["r"]
+    assert redispatches(dp) == {"0": 1.0, "1": 0.0}
+    assert outstanding(dp) == [(0, 0), (0, 0)] and not dp._live
