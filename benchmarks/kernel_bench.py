@@ -4,8 +4,10 @@ For each format (bf16, int8, int4 = Q4_0, q8_0, q4_1) and token count M (1: deco
 printed as GB/s of weight bytes read; 16 and 512: GFLOP/s), times the kernel of each variant, the old
 PyTorch path (``F.linear`` on bf16 weights, or the Python dequantization + ``F.linear``), and
 ``torch.mm`` in float32 on the same shape (this CPU's fp32 matmul rate, the prefill yardstick).
-Contenders run in rotation, ``--repeats`` rounds; the median is printed (and the best round, which
-on a loaded shared machine is the closest to a quiet one), so a noisy machine slows them alike.
+Contenders run in rotation, ``--repeats`` rounds, in a new random order each round (a fixed seed), so
+that none always runs right after the same one (PyTorch's OpenMP threads keep spinning for a while
+after its matmul returns). The median is printed (and the best
+round, which on a loaded shared machine is the closest to a quiet one), so a noisy machine slows them alike.
 
     PYTHONPATH=$PWD python benchmarks/kernel_bench.py [--k 896 --n 4864 --threads 2 --repeats 15]
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import random
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -62,12 +65,12 @@ def sources_of(checkout: Path) -> Iterator[None]:
         build.CSRC = saved
 
 
-def modules(baseline: Path | None) -> dict[str, object]:
-    """``{label: compiled module}``: every variant this CPU runs, and with ``baseline`` its builds too."""
-    out = {name: build.load_variant(name) for name in build.VARIANTS}
+def modules(variants: list[str], baseline: Path | None) -> dict[str, object]:
+    """``{label: compiled module}``: each of ``variants`` this CPU runs, and with ``baseline`` its builds too."""
+    out = {name: build.load_variant(name) for name in variants}
     if baseline is not None:
         with sources_of(baseline):
-            out |= {f"baseline {name}": build.load_variant.__wrapped__(name) for name in build.VARIANTS}
+            out |= {f"baseline {name}": build.load_variant.__wrapped__(name) for name in variants}
     return {label: module for label, module in out.items() if module is not None}
 
 
@@ -90,8 +93,11 @@ def median_times(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str
     for fn in fns.values():  # warm-up (first calls build / allocate)
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
+    order, rng = list(fns), random.Random(0)
     for _ in range(repeats):
-        for name, fn in fns.items():
+        rng.shuffle(order)
+        for name in order:
+            fn = fns[name]
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
@@ -106,10 +112,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--formats", default="bf16,int8,int4,q8_0,q4_1")
     parser.add_argument("--tokens", default="1,16,512")
+    parser.add_argument("--variants", default=",".join(build.VARIANTS), help="compiled variants to time")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="another checkout whose kernels are timed alongside (e.g. /work/main)")
     args = parser.parse_args()
-    mods = modules(args.baseline)
+    mods = modules(args.variants.split(","), args.baseline)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     k, n = args.k, args.n

@@ -198,34 +198,29 @@ __attribute__((always_inline)) inline void block_passes(const uint16_t* x, int64
   }
 }
 
-// out[m * RB + r] = sum_k x[m, k] * w[r, k] in dot_row<1, kChains>'s order, chain-major: for each block of
-// kb elements of K (a multiple of 32 kChains), kChains / CP passes, pass p summing only chains
-// p CP .. p CP + CP - 1 (chunk c of the 4-chain loop belongs to chain c % kChains) with CP accumulators
-// per dot product, each continued from its partial sum of the blocks before; then the chunks past the
-// 4-chain loop into chain 0, the combine a0 + a1 + a2 + a3 and the lane sums, as dot_row. So MB x RB dot
-// products need MB RB CP accumulators, not MB RB kChains (4 x 4 tiles with CP = 1 where 4 chains in
-// registers allow 2 x 3), and the K block of the tile's rows and tokens stays in L1 between passes (each
-// pass reads one 64-byte line in kChains).
+// The passes of dot_tile_passes over one K block [k0, k1) of the 4-chain loop (k0 a multiple of
+// 32 kChains), each chain continued from part (64-byte aligned, kChains MB RB 16 floats), or from zero when
+// first. A caller can run the blocks of several token tiles in turn, so a block of rows stays in L1.
 template <int MB, int RB, int CP>
-inline void dot_tile_passes(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, int64_t kb,
-                            float* out, const uint16_t* pf) {
+inline void tile_block(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t k0, int64_t k1,
+                       bool first, float* part, const uint16_t* pf) {
+  static_assert(kChains == 4 && (CP == 1 || CP == 2 || CP == 4), "tile_block: 4 chains, 1, 2 or 4 per pass");
+  static_assert(MB * RB * CP <= 24, "tile_block: too many accumulators for 32 registers");
+  if (first)
+    block_passes<MB, RB, CP, true>(x, ldx, w, ldw, k0, k1, part, pf);
+  else
+    block_passes<MB, RB, CP, false>(x, ldx, w, ldw, k0, k1, part, pf);
+}
+
+// After the blocks of the 4-chain loop (none when K < 32 kChains): the chunks past it into chain 0, the
+// combine a0 + a1 + a2 + a3 and the lane sums, as dot_row; out[m * RB + r].
+template <int MB, int RB>
+inline void tile_finish(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, float* part,
+                        float* out) {
   constexpr int U = kChains, D = MB * RB;
-  static_assert(U == 4 && (CP == 1 || CP == 2 || CP == 4), "dot_tile_passes: 4 chains, 1, 2 or 4 per pass");
-  static_assert(D * CP <= 24, "dot_tile_passes: too many accumulators for 32 registers");
-  alignas(64) float buf[U * D * 16];
-  float* part = buf;
-  // NOTE: an opaque pointer, so that GCC keeps the partial sums in memory: given the array itself it
-  // splits it into 4 D vector variables and spills them all around the passes (1.6x the time).
-  asm("" : "+r"(part));
   const int64_t main_end = K / (32 * U) * (32 * U);
-  if (main_end == 0) {
+  if (main_end == 0)
     for (int i = 0; i < U * D * 16; ++i) part[i] = 0.0f;
-  } else {
-    const int64_t k1 = main_end < kb ? main_end : kb;
-    block_passes<MB, RB, CP, true>(x, ldx, w, ldw, 0, k1, part, pf);
-    for (int64_t k0 = k1; k0 < main_end; k0 += kb)
-      block_passes<MB, RB, CP, false>(x, ldx, w, ldw, k0, main_end - k0 < kb ? main_end : k0 + kb, part, pf);
-  }
   __m512 acc[D];  // chain 0 + the chunks past the 4-chain loop, then + chains 1, 2, 3
   TANDEM_UNROLL_ALL
   for (int i = 0; i < D; ++i) acc[i] = _mm512_load_ps(part + i * 16);
@@ -250,6 +245,28 @@ inline void dot_tile_passes(const uint16_t* x, int64_t ldx, const uint16_t* w, i
   for (; i + 8 <= D; i += 8) _mm256_storeu_ps(out + i, _mm512_castps512_ps256(sum8(acc + i)));
   TANDEM_UNROLL
   for (; i < D; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+// out[m * RB + r] = sum_k x[m, k] * w[r, k] in dot_row<1, kChains>'s order, chain-major: for each block of
+// kb elements of K (a multiple of 32 kChains), kChains / CP passes, pass p summing only chains
+// p CP .. p CP + CP - 1 (chunk c of the 4-chain loop belongs to chain c % kChains) with CP accumulators
+// per dot product, each continued from its partial sum of the blocks before; then the chunks past the
+// 4-chain loop into chain 0, the combine a0 + a1 + a2 + a3 and the lane sums, as dot_row. So MB x RB dot
+// products need MB RB CP accumulators, not MB RB kChains (4 x 4 tiles with CP = 1 where 4 chains in
+// registers allow 2 x 3), and the K block of the tile's rows and tokens stays in L1 between passes (each
+// pass reads one 64-byte line in kChains).
+template <int MB, int RB, int CP>
+inline void dot_tile_passes(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K, int64_t kb,
+                            float* out, const uint16_t* pf) {
+  alignas(64) float buf[kChains * MB * RB * 16];
+  float* part = buf;
+  // NOTE: an opaque pointer, so that GCC keeps the partial sums in memory: given the array itself it
+  // splits it into 4 D vector variables and spills them all around the passes (1.6x the time).
+  asm("" : "+r"(part));
+  const int64_t main_end = K / (32 * kChains) * (32 * kChains);
+  for (int64_t k0 = 0; k0 < main_end; k0 += kb)
+    tile_block<MB, RB, CP>(x, ldx, w, ldw, k0, main_end - k0 < kb ? main_end : k0 + kb, k0 == 0, part, pf);
+  tile_finish<MB, RB>(x, ldx, w, ldw, K, part, out);
 }
 
 // The last T or fewer tokens of a token tile in passes: exactly `rest` (1..T) tokens, CP as large as

@@ -19,6 +19,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "gemm_tile.h"
@@ -45,33 +46,44 @@ Output output(at::Tensor& y, const float* scale, const at::Tensor& bias) {
 }  // namespace tandem
 
 // y = x . w^T for M >= 3 tokens: tiles of RB rows (split over threads) x MB tokens, the last token tile
-// smaller, each dot product in dot_row<1, kChains>'s order (dot_tile_passes: one accumulator per dot
-// product, 4 passes per block of kKBlock elements of K). Tokens go in blocks of about kTokenBlockBytes
-// of x, so that a block stays in L2 while a thread's rows stream past it.
+// smaller, each dot product in dot_row<1, kChains>'s order (tile_block / tile_finish: one accumulator per
+// dot product, 4 passes per block of kKBlock elements of K). Tokens go in blocks of about
+// kTokenBlockBytes of x, so that a block stays in L2 while a thread's rows stream past it; within a row
+// tile the K blocks are the outer loop, so a block of the rows stays in L1 while the token tiles pass.
 constexpr int64_t kTokenBlockBytes = 384 << 10, kKBlock = 1024;
 
 template <int MB, int RB>
 static void tiled(const uint16_t* xp, const uint16_t* wp, int64_t M, int64_t N, int64_t K,
                    const tandem::Output& out) {
+  constexpr int64_t kPart = tandem::kChains * MB * RB * 16;  // floats of one token tile's chain sums
   const int64_t tiles = N / RB;
-  const int64_t block = std::max<int64_t>(MB, kTokenBlockBytes / (2 * K) / MB * MB);
+  const int64_t block = std::min(M, std::max<int64_t>(MB, kTokenBlockBytes / (2 * K) / MB * MB));
+  const int64_t main_end = K / (32 * tandem::kChains) * (32 * tandem::kChains);
   tandem::avx2::parallel_for(0, tiles, 64 / RB, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(std::min(block, M) * RB);
+    std::vector<float> acc(block * RB), parts((block / MB + 1) * kPart + 16);
+    float* part = parts.data() + (-reinterpret_cast<uintptr_t>(parts.data()) / sizeof(float) & 15);  // 64-byte aligned
     for (int64_t m0 = 0; m0 < M; m0 += block) {
-      const int64_t mt = std::min(block, M - m0);
+      const int64_t mt = std::min(block, M - m0), whole = mt / MB * MB;
       const tandem::Output o{out.y + m0 * out.N, out.N, out.scale, out.bias};
       const uint16_t* xb = xp + m0 * K;
       for (int64_t t = begin; t < end; ++t) {
         const int64_t row0 = t * RB;
         const uint16_t* w = wp + row0 * K;
         const uint16_t* next = t + 1 < end ? w + RB * K : nullptr;
-        int64_t m = 0;
-        for (; m + MB <= mt; m += MB)
-          tandem::dot_tile_passes<MB, RB, 1>(xb + m * K, K, w, K, K, kKBlock, acc.data() + m * RB,
-                                             m == 0 ? next : nullptr);
-        if (m < mt)
-          tandem::dot_rest_passes<MB - 1, RB>(mt - m, xb + m * K, K, K, kKBlock, w, K, acc.data() + m * RB,
-                                              m == 0 ? next : nullptr);
+        for (int64_t k0 = 0; k0 < main_end; k0 += kKBlock) {
+          const int64_t k1 = std::min(k0 + kKBlock, main_end);
+          for (int64_t m = 0; m < whole; m += MB) {
+            float* p = part + (main_end > kKBlock ? m / MB * kPart : 0);  // one slot (in L1) for one K block
+            tandem::tile_block<MB, RB, 1>(xb + m * K, K, w, K, k0, k1, k0 == 0, p, m == 0 ? next : nullptr);
+            if (k1 == main_end) tandem::tile_finish<MB, RB>(xb + m * K, K, w, K, K, p, acc.data() + m * RB);
+          }
+        }
+        if (main_end == 0)
+          for (int64_t m = 0; m < whole; m += MB)
+            tandem::tile_finish<MB, RB>(xb + m * K, K, w, K, K, part, acc.data() + m * RB);
+        if (whole < mt)
+          tandem::dot_rest_passes<MB - 1, RB>(mt - whole, xb + whole * K, K, K, kKBlock, w, K, acc.data() + whole * RB,
+                                              whole == 0 ? next : nullptr);
         o.store_vec(acc.data(), RB, mt, row0);
       }
     }
