@@ -99,6 +99,7 @@ def test_timings_match_the_script(server, endpoint):
     assert metrics["output_throughput"] == pytest.approx(13 / run.duration_s)
 
 
+@retry_on_noise
 def test_goodput_counts_exactly_the_requests_meeting_every_slo(server):
     scripts = [
         (0.05, 0.05, 4),  # meets ttft and tpot
@@ -110,7 +111,9 @@ def test_goodput_counts_exactly_the_requests_meeting_every_slo(server):
     run = run_benchmark(_config(server), _requests(scripts))
     assert all(r.success for r in run.results)
     # NOTE: SLOs sit 60+ ms from every scripted value, so the request's trip to the server
-    # (which only ever adds time) cannot flip a verdict.
+    # (which only ever adds time) flips no verdict on an idle machine; on a loaded one a descheduled
+    # thread added 100+ ms to every request once (CI-like run at load 5: 0 of 3 good), so the test
+    # is retried (retry_on_noise): a wrong goodput rule fails every attempt.
     m = calculate_metrics(run.results, run.duration_s, [99], {"ttft": 150, "tpot": 90})
     assert m["good_completed"] == 3
     assert m["request_goodput"] == pytest.approx(3 / run.duration_s)
