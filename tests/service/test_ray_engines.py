@@ -20,8 +20,17 @@ BODY = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 6, "temperat
 
 
 def actor_pids() -> list[int]:
-    return sorted(p.pid for p in psutil.process_iter(["cmdline"])
-                  if p.info["cmdline"] and p.info["cmdline"][0].startswith("ray::EngineCoreActor"))
+    """Engine-core actor processes of this test's cluster: its raylets are children of this process
+    (``ray.cluster_utils.Cluster``), so other Ray clusters on the machine are not counted."""
+    pids = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            cmdline = p.cmdline()
+        except psutil.Error:  # exited meanwhile
+            continue
+        if cmdline and cmdline[0].startswith("ray::EngineCoreActor"):
+            pids.append(p.pid)
+    return sorted(pids)
 
 
 @pytest.fixture(scope="module")
