@@ -5,14 +5,16 @@ States (``HealthState``), as in a circuit breaker (Envoy's outlier detection, Ny
 
 - ``HEALTHY``: routed normally. A connect error (refused, reset, timeout before the response) or a
   failed active check ejects it at once; passive failures (a ``5xx`` answer, no response byte within
-  the router's first-byte timeout) eject it after ``failure_threshold`` in a row (one success resets
-  the count).
+  the router's first-byte timeout) eject it after ``failure_threshold`` in a row (one successful
+  request resets the count; a passing ``/health`` check does not: a server whose ``/health`` answers
+  while its requests hang must still reach the threshold).
 - ``EJECTED``: not routed (``BackendState.healthy`` False) for ``backoff`` seconds, which starts at
   ``eject_s`` and doubles with every ejection that follows a half-open failure (at most
   ``max_eject_s``). When it has passed, ``due_probe`` is True and the active checker probes ``/health``.
 - ``HALF_OPEN``: the probe passed; the backend takes one request at a time
-  (``BackendState.probation``). A success (a trial request, or the next passing probe) makes it
-  ``HEALTHY`` and resets the backoff; any failure ejects it again with a doubled backoff.
+  (``BackendState.probation``). A success (a trial request, or the next passing probe while no trial
+  is in flight) makes it ``HEALTHY`` and resets the backoff; any failure ejects it again with a
+  doubled backoff.
 
 ``BackendHealth`` changes the ``BackendState`` it was given (``healthy``, ``probation``) and counts
 ``ejections``; every method says what it changes.
@@ -136,14 +138,16 @@ class BackendHealth:
 
     def on_probe(self, ok: bool, reason: str = "") -> None:
         """The result of an active ``/health`` check. An ejected backend whose time is up goes half-open
-        on success; a half-open one becomes healthy; a failure ejects. Changes: state (see above)."""
+        on success; a half-open one with no trial request in flight becomes healthy (with one in flight,
+        the trial decides); a healthy one keeps its failure count (NOTE: only a request's success clears
+        it: ``/health`` may pass while every request hangs); a failure ejects. Changes: state (see above)."""
         if not ok:
             self.eject(reason or "health check failed")
         elif self.state is HealthState.EJECTED:
             if self.due_probe:
                 logger.info("backend %s passed its probe: half-open", self.backend.name)
                 self._set(HealthState.HALF_OPEN)
-        else:
+        elif self.state is HealthState.HALF_OPEN and self.backend.outstanding_requests == 0:
             self.on_success()
 
     def describe(self) -> dict[str, object]:

@@ -9,9 +9,9 @@ The interface, shared by the standalone ``tandem router`` and ``tandem serve -dp
   ``kv_index.BlockIndex``: ``EventBlockIndex`` when the backend publishes KV events, else
   ``ApproxBlockIndex``).
 - ``make_policy(name, beta=...)`` -> ``RoundRobinPolicy`` | ``LeastLoadPolicy`` | ``KVAwarePolicy``.
-- ``policy.choose(prompt_block_hashes, backends, exclude=()) -> BackendState``: picks among the
-  *eligible* backends (healthy, not full, not excluded: ``eligible``). No state changes except
-  the round-robin cursor. Raises ``NoHealthyBackendError`` when none is healthy and
+- ``policy.choose(prompt_block_hashes, backends, exclude=(), retry=False) -> BackendState``: picks
+  among the *eligible* backends (healthy, not full, not excluded: ``eligible``). No state changes
+  except the round-robin cursor (not moved by a ``retry``). Raises ``NoHealthyBackendError`` when none is healthy and
   ``AllBackendsFullError`` when every healthy one is full or excluded (the router answers 503 /
   429 with ``Retry-After``).
 - ``ticket = policy.on_dispatch(backend, prompt_block_hashes, num_tokens)`` when the request is sent,
@@ -136,16 +136,18 @@ class Policy:
     name = ""
 
     def choose(self, prompt_block_hashes: Sequence[int], backends: Sequence[BackendState],
-               exclude: Collection[BackendState] = ()) -> BackendState:
+               exclude: Collection[BackendState] = (), retry: bool = False) -> BackendState:
         """The backend for a prompt with these chained block hashes (may be empty), not one of ``exclude``.
+        ``retry``: another choice for a request that already went to a backend (round-robin's cursor
+        stays where its first choice put it).
 
         Raises:
             NoHealthyBackendError, AllBackendsFullError: see ``eligible``.
         """
-        return self._pick(prompt_block_hashes, eligible(backends, exclude), backends)
+        return self._pick(prompt_block_hashes, eligible(backends, exclude), backends, retry)
 
     def _pick(self, hashes: Sequence[int], candidates: list[BackendState],
-              backends: Sequence[BackendState]) -> BackendState:
+              backends: Sequence[BackendState], retry: bool) -> BackendState:
         raise NotImplementedError
 
     def on_dispatch(self, backend: BackendState, prompt_block_hashes: Sequence[int], num_tokens: int) -> Ticket:
@@ -174,19 +176,22 @@ class Policy:
 
 
 class RoundRobinPolicy(Policy):
-    """The next eligible backend after the last one chosen, in the order of the backends list."""
+    """The next eligible backend after the last one chosen, in the order of the backends list. A retry
+    does not move the cursor: otherwise, with a backend that fails every request, the retry's choice
+    would put that backend first in line for every next request."""
 
     name = "round-robin"
 
     def __init__(self) -> None:
-        self._cursor = -1  # index in the backends list of the last choice
+        self._cursor = -1  # index in the backends list of the last first choice
 
-    def _pick(self, hashes, candidates, backends):
+    def _pick(self, hashes, candidates, backends, retry):
         n = len(backends)
         for step in range(1, n + 1):
             i = (self._cursor + step) % n
             if backends[i] in candidates:
-                self._cursor = i
+                if not retry:
+                    self._cursor = i
                 return backends[i]
         raise AssertionError("eligible() returned a backend that is not in the list")
 
@@ -196,7 +201,7 @@ class LeastLoadPolicy(Policy):
 
     name = "least-load"
 
-    def _pick(self, hashes, candidates, backends):
+    def _pick(self, hashes, candidates, backends, retry):
         return min(candidates, key=_load_key)
 
 
@@ -225,7 +230,7 @@ class KVAwarePolicy(Policy):
             out.append(cached - self.beta * load)
         return out
 
-    def _pick(self, hashes, candidates, backends):
+    def _pick(self, hashes, candidates, backends, retry):
         scores = self.scores(hashes, candidates)
         best = max(range(len(candidates)), key=lambda i: (scores[i], [-x for x in _load_key(candidates[i])]))
         return candidates[best]

@@ -104,9 +104,11 @@ class Router:
         self._clock = clock
 
     def _choose(self, prompt: RoutedPrompt, tried: set[HttpBackend]) -> HttpBackend:
-        """Raises NoBackendError subclasses (``policy.eligible``); tried and busy backends count as full."""
+        """Raises NoBackendError subclasses (``policy.eligible``); tried and busy backends count as full.
+        A second choice for one request (a retry, a 429's next backend) leaves round-robin's cursor."""
         exclude = [b.state for b in self.backends if b in tried or b.busy]
-        chosen = self.policy.choose(prompt.block_hashes, [b.state for b in self.backends], exclude)
+        chosen = self.policy.choose(prompt.block_hashes, [b.state for b in self.backends], exclude,
+                                    retry=bool(tried))
         return next(b for b in self.backends if b.state is chosen)
 
     def _retry_after(self) -> float:

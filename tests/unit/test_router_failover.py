@@ -109,15 +109,15 @@ async def test_timeouts_eject_at_the_failure_threshold():
     service, client = await _start(fakes, A, B, policy="round-robin", first_byte_timeout_s=0.3,
                                    failure_threshold=2)
     before = await _metrics(client)
-    for _ in range(2):  # round-robin sends each of them to A first (B answered the previous retry)
+    for _ in range(3):  # round-robin: A (retried on B), B, A (retried on B): a retry leaves the cursor
         r = await asyncio.wait_for(client.post("/v1/completions", json=BODY), LIMIT_S)
         assert r.status_code == 200
-    assert fakes.posts() == [A, B, A, B]
+    assert fakes.posts() == [A, B, B, A, B]
     a = service.backends[0]
     assert a.health.state is HealthState.EJECTED and a.health.ejections == 1
     assert a.health.last_error == "2 consecutive failures, the last: no response byte within 0.3 s"
     assert _delta(before, await _metrics(client)) == {
-        _per("requests", A): 2, _per("requests", B): 2, _errors(A, "timeout"): 2, RETRIES: 2,
+        _per("requests", A): 2, _per("requests", B): 3, _errors(A, "timeout"): 2, RETRIES: 2,
         _per("ejections", A): 1}
     await _stop(service, client)
 
@@ -208,17 +208,17 @@ async def test_a_5xx_before_the_body_is_a_passive_failure_and_is_retried(status)
     fakes.script = {A: lambda r: httpx.Response(status, json={"error": {"message": "engine died"}}), B: ok}
     service, client = await _start(fakes, A, B, policy="round-robin", failure_threshold=2)
     before = await _metrics(client)
-    for _ in range(2):
+    for _ in range(3):  # A (retried on B), B, A (retried on B)
         r = await client.post("/v1/completions", json=BODY)
         assert r.status_code == 200 and r.headers["x-backend"] == "b"
-    assert fakes.posts() == [A, B, A, B]
+    assert fakes.posts() == [A, B, B, A, B]
     a = service.backends[0]
     assert a.health.state is HealthState.EJECTED
     assert a.health.last_error == f"2 consecutive failures, the last: answered {status}"
     assert _delta(before, await _metrics(client)) == {
-        _per("requests", A): 2, _per("requests", B): 2, _errors(A, "5xx"): 2, RETRIES: 2, _per("ejections", A): 1}
+        _per("requests", A): 2, _per("requests", B): 3, _errors(A, "5xx"): 2, RETRIES: 2, _per("ejections", A): 1}
     r = await client.post("/v1/completions", json=BODY)  # ejected: not tried
-    assert r.status_code == 200 and fakes.posts()[-1] == B and len(fakes.posts()) == 5
+    assert r.status_code == 200 and fakes.posts()[-1] == B and len(fakes.posts()) == 6
     await _stop(service, client)
 
 
@@ -277,4 +277,26 @@ async def test_a_hung_health_check_holds_up_no_other_backends_probes():
     await asyncio.sleep(0.6)
     probes = [b for b, p in fakes.calls if p == "/health"]
     assert probes.count(A) == 1 and probes.count(B) >= 4
+    await _stop(service, client)
+
+
+async def test_a_backend_whose_health_passes_while_requests_hang_is_ejected_at_the_threshold():
+    """/health answers 200 between the timeouts (its probe runs after each request): the count of real
+    requests' failures is kept, and round-robin's retry leaves the cursor, so only every other request
+    waits on the hung backend."""
+    fakes, hang = Fakes(), Hang()
+    fakes.script = {A: hang, B: _sse(SSE)}
+    service, client = await _start(fakes, A, B, policy="round-robin", first_byte_timeout_s=0.3)
+    a = service.backends[0]
+    before = await _metrics(client)
+    for _ in range(6):
+        r = await asyncio.wait_for(client.post("/v1/completions", json={**BODY, "stream": True}), LIMIT_S)
+        assert r.status_code == 200 and r.content == b"".join(SSE)
+        await service._check(a)  # the health task's probe of A: 200
+    assert fakes.posts() == [A, B, B, A, B, B, A, B, B]
+    assert a.health.state is HealthState.EJECTED and a.health.ejections == 1
+    assert a.health.last_error == "3 consecutive failures, the last: no response byte within 0.3 s"
+    assert _delta(before, await _metrics(client)) == {
+        _per("requests", A): 3, _per("requests", B): 6, _errors(A, "timeout"): 3, RETRIES: 3,
+        _per("ejections", A): 1}
     await _stop(service, client)

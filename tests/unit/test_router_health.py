@@ -116,3 +116,32 @@ def test_bad_settings_are_refused():
         BackendHealth(BackendState("x"), failure_threshold=0)
     with pytest.raises(ValueError, match="eject_s"):
         BackendHealth(BackendState("x"), eject_s=10.0, max_eject_s=1.0)
+
+
+def test_a_passing_health_check_keeps_the_failures_of_real_requests():
+    """A server whose /health answers while its requests hang: probes between the timeouts must not reset
+    the count, or it is never ejected."""
+    b, h, _, ejected = _health(failure_threshold=3)
+    for n in (1, 2):
+        h.on_failure("no response byte within 2 s")
+        h.on_probe(True)
+        assert (h.state, h.consecutive_failures) == (HealthState.HEALTHY, n)
+    h.on_failure("no response byte within 2 s")
+    assert h.state is HealthState.EJECTED and h.ejections == 1
+    assert ejected == ["3 consecutive failures, the last: no response byte within 2 s"]
+    h2 = _health(failure_threshold=3)[1]
+    h2.on_failure("x")
+    h2.on_response(200)  # a request that succeeded does reset it
+    assert h2.consecutive_failures == 0
+
+
+def test_a_passing_probe_does_not_end_probation_while_the_trial_is_in_flight():
+    b, h, clock, _ = _health(failure_threshold=3, eject_s=2.0)
+    h.eject("3 consecutive failures")
+    clock.t = h.ejected_until
+    h.on_probe(True)
+    b.outstanding_requests = 1  # the half-open trial was dispatched and hangs
+    h.on_probe(True)
+    assert (h.state, b.probation) == (HealthState.HALF_OPEN, True)
+    h.on_failure("no response byte within 2 s")  # the trial decides: ejected again, for longer
+    assert (h.state, h.ejections, h.backoff_s) == (HealthState.EJECTED, 2, 4.0)

@@ -40,6 +40,15 @@ def test_round_robin_cycles_and_skips_ineligible():
     assert [p.choose([], bs).name for _ in range(2)] == ["b0", "b0"]
 
 
+def test_round_robin_retry_does_not_move_the_cursor():
+    bs = _backends(3)
+    p = make_policy("round-robin")
+    first = p.choose([], bs)
+    retry = p.choose([], bs, exclude=[first], retry=True)
+    assert (first.name, retry.name) == ("b0", "b1")
+    assert [p.choose([], bs).name for _ in range(3)] == ["b1", "b2", "b0"]  # first choices stay even
+
+
 def test_least_load_counts_tokens_on_dispatch_and_completion():
     bs = _backends(2)
     p = make_policy("least-load")
