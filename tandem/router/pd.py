@@ -13,8 +13,9 @@ One request, as vLLM's disaggregation proxy and vllm-router's PD mode send it:
    ``max_tokens`` (and ``max_completion_tokens``) 1, ``n`` 1, ``stream`` false, no ``stream_options``,
    ``min_tokens`` or ``best_of``. A refusal (4xx) is the client's answer; an unreachable prefill server,
    one answering 5xx (its engine died or restarts) or one silent for ``--first-byte-timeout`` sends the
-   request to the decode server alone (it prefills itself), as do several prompts in one body and prompt
-   logprobs (``decode_only``).
+   request to the decode server alone (it prefills itself), as do several prompts in one body, prompt
+   logprobs (``decode_only``) and every prefill server being ejected (until an ejection time is up: that
+   request is the server's half-open trial).
 4. Decode leg: the client's body plus the ``kv_transfer_params`` of the prefill leg's response; its
    answer (an SSE stream or JSON) is relayed to the client as it comes. A client that leaves closes
    the decode leg, so the decode server aborts and frees both sides' blocks. A decode server that cannot
@@ -99,7 +100,8 @@ class PDProxy:
 
     ``outstanding``: requests in flight per server URL through this proxy (the least-load signal).
     ``health``: each server's ``BackendHealth`` (passive: connect errors, 5xx, first-byte timeouts).
-    ``num_direct`` / ``num_disaggregated`` / ``num_prefill_unreachable`` (timeouts included) /
+    ``num_direct`` / ``num_disaggregated`` / ``num_prefill_unreachable`` (timeouts and requests sent to the
+    decode server alone because every prefill server was ejected included) /
     ``num_first_byte_timeouts`` (either leg) / ``num_decode_retries``: cumulative request counts.
     """
 
@@ -115,14 +117,14 @@ class PDProxy:
         self.num_direct = self.num_disaggregated = self.num_prefill_unreachable = 0
         self.num_first_byte_timeouts = self.num_decode_retries = 0
 
-    def choose(self, urls: list[str], exclude: Iterable[str] = ()) -> str | None:
+    def choose(self, urls: list[str], exclude: Iterable[str] = (), ejected_too: bool = True) -> str | None:
         """The server with the fewest requests in flight (the first listed on a tie) among ``urls`` minus
         ``exclude`` that are not ejected (or whose ejection time is up: this request is its half-open trial);
-        all of them when every one is ejected; None when none is left. Changes: a due server's health
-        (half-open)."""
+        when every one is ejected, all of them (``ejected_too``) or None; None when none is left. Changes: a
+        due server's health (half-open)."""
         left = [u for u in urls if u not in exclude]
         routable = [u for u in left if self.health[u].state is not HealthState.EJECTED or self.health[u].due_probe]
-        if not left:
+        if not left or not (routable or ejected_too):
             return None
         chosen = min(routable or left, key=lambda u: self.outstanding[u])
         if self.health[chosen].due_probe:
@@ -142,7 +144,10 @@ class PDProxy:
         if decode_only(body) or self.config.min_prompt_tokens and await self._is_short(decode, body, headers):
             self.num_direct += 1
             return await self._relay(decode, path, body, headers, body)
-        prefill = self.choose(self.prefill)
+        prefill = self.choose(self.prefill, ejected_too=False)
+        if prefill is None:  # NOTE: each would cost a connect error or a first-byte timeout before the fallback
+            self.num_prefill_unreachable += 1
+            return await self._relay(decode, path, body, headers, body)
         self.outstanding[prefill] += 1
         try:
             answer = await self._post(prefill, path, prefill_leg(body), headers)

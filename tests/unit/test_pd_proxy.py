@@ -143,3 +143,39 @@ def test_an_ejected_server_is_skipped_until_its_half_open_trial():
     proxy.health[other].on_connect_error("ConnectError: refused")
     assert proxy.choose(proxy.decode) == DECODE  # every one ejected: all of them are tried
     assert proxy.choose(proxy.decode, exclude=[DECODE, other]) is None
+
+
+def test_an_ejected_prefill_server_is_skipped_until_its_ejection_ends():
+    """The only prefill server hangs: once ejected, requests went to it anyway (every server ejected: all
+    of them tried) and each waited the first-byte timeout before the decode server prefilled itself."""
+    seen: list[str] = []
+    hang = asyncio.Event()
+
+    async def upstream(request: httpx.Request) -> httpx.Response:
+        seen.append(str(request.url))
+        if str(request.url).startswith(PREFILL):
+            await hang.wait()
+        return httpx.Response(200, json={"choices": [{"text": "decoded"}], "kv_transfer_params": None})
+
+    body = {"prompt": " ".join(["word"] * 40), "max_tokens": 12}
+
+    async def main() -> list[int]:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(upstream))
+        proxy = PDProxy(PDConfig(prefill=(PREFILL,), decode=(DECODE,), first_byte_timeout_s=0.2,
+                                 failure_threshold=1), client)
+        statuses = []
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_pd_app(proxy)),
+                                     base_url="http://router") as router:
+            for _ in range(3):
+                statuses.append((await router.post("/v1/completions", json=body)).status_code)
+            assert proxy.health[PREFILL].state is HealthState.EJECTED
+            assert (proxy.num_prefill_unreachable, proxy.num_first_byte_timeouts) == (3, 1)
+            proxy.health[PREFILL].ejected_until = 0.0  # its ejection time is up: the next request is its trial
+            hang.set()
+            statuses.append((await router.post("/v1/completions", json=body)).status_code)
+            assert proxy.health[PREFILL].state is HealthState.HEALTHY and proxy.num_disaggregated == 1
+        return statuses
+
+    assert asyncio.run(main()) == [200] * 4
+    assert seen == [f"{PREFILL}/v1/completions", f"{DECODE}/v1/completions", f"{DECODE}/v1/completions",
+                    f"{DECODE}/v1/completions", f"{PREFILL}/v1/completions", f"{DECODE}/v1/completions"]
