@@ -10,6 +10,11 @@ _GREEDY_EPS = 1e-5
 # A seed must fit torch.Generator.manual_seed (int64); n > 1 children use seed + i, wrapped (see child_seed).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20  # top alternatives per position (OpenAI's cap; vLLM's default max_logprobs is 20)
+# NOTE: stop strings are matched in the front end's event loop for every decoded token of the request, so
+# their number and length are bounded (OpenAI allows 4 strings, vLLM sets no bound): unbounded, two requests
+# with 10,000 strings each held a concurrent 20-token request for 28 s.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_LENGTH = 256  # characters
 
 
 def _is_int(value: object) -> bool:
@@ -112,7 +117,8 @@ class SamplingParams:
     - ``prompt_logprobs`` N (vLLM) returns, for every prompt token after the first, its log-probability
       given the tokens before it plus the N most likely tokens there (``RequestOutput.prompt_logprobs``;
       position 0 is None). Such a request skips the prefix cache until its prompt is computed.
-    - ``stop`` strings are cut from the text (unless ``include_stop_str_in_output``).
+    - ``stop`` strings are cut from the text (unless ``include_stop_str_in_output``); at most
+      ``MAX_STOP_STRINGS`` (64) of at most ``MAX_STOP_STRING_LENGTH`` (256) characters each.
     - ``priority`` orders admission when the scheduler's policy is "priority": lower values first,
       ties by arrival time (vLLM semantics); ignored under "fcfs".
     - ``structured_outputs`` constrains the text to a JSON schema, regex, choice or grammar
@@ -212,6 +218,11 @@ class SamplingParams:
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
              f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
             (all(self.stop), "stop", "stop strings must be non-empty"),
+            (len(self.stop) <= MAX_STOP_STRINGS, "stop",
+             f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}"),
+            (all(len(s) <= MAX_STOP_STRING_LENGTH for s in self.stop), "stop",
+             f"a stop string may have at most {MAX_STOP_STRING_LENGTH} characters, got "
+             f"{max(map(len, self.stop), default=0)}"),
             (self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, "seed",
              f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}"),
         ]

@@ -74,6 +74,13 @@ LE = "Input should be less than or equal to"
     # Papercuts.
     ("/v1/completions", CMPL + '"stop": ""}', "stop", "stop strings must be non-empty"),
     ("/v1/completions", CMPL + '"stop": [""]}', "stop", "stop strings must be non-empty"),
+    # Stop strings are matched per decoded token in the front end: their count and length are bounded.
+    ("/v1/completions", CMPL + '"stop": [' + ", ".join(f'"s{i}"' for i in range(65)) + "]}", "stop",
+     "at most 64 stop strings are allowed, got 65"),
+    ("/v1/chat/completions", CHAT + '"stop": [' + ", ".join(f'"zz{i:05}"' for i in range(10000)) + "]}", "stop",
+     "at most 64 stop strings are allowed, got 10000"),
+    ("/v1/chat/completions", CHAT + '"stop": "' + "x" * 257 + '"}', "stop",
+     "a stop string may have at most 256 characters, got 257"),
     ("/v1/completions", CMPL + '"temperature": Infinity}', "temperature",
      "temperature: Input should be a finite number"),
     ("/v1/chat/completions", CHAT + '"top_p": NaN}', "top_p", "top_p: Input should be a finite number"),
@@ -102,6 +109,8 @@ def test_limits_at_the_bounds_are_accepted(server):
     assert r.status_code == 200, r.text
     assert sorted(c["index"] for c in r.json()["choices"]) == list(range(128))
     r = post(server, "/v1/completions", {**body, "n": 1, "seed": -(2**63), "stop_token_ids": [511]})
+    assert r.status_code == 200, r.text
+    r = post(server, "/v1/completions", {**body, "n": 1, "stop": [f"{i:03}" + "x" * 253 for i in range(64)]})
     assert r.status_code == 200, r.text
     r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
                                               "max_tokens": 1, "seed": 2**63 - 1})

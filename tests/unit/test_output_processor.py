@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.engine.detokenizer import find_stop_string, partial_stop_length
+from tandem.engine.detokenizer import StopStrings
 from tandem.engine.output_processor import OutputProcessor
 from tandem.outputs import EngineCoreOutput, Logprob
 from tandem.sampling_params import SamplingParams
@@ -379,9 +379,24 @@ def test_add_request_validation(stories_tok):
 
 
 def test_stop_string_helpers():
-    assert find_stop_string("abc stop def", 5, ["stop"]) == (4, "stop")
-    assert find_stop_string("abc stop def", 8, ["stop"]) is None  # fully inside the searched text
-    assert find_stop_string("xx ab cd", 4, ["cd", "ab"]) == (3, "ab")  # earliest wins
-    assert partial_stop_length("Once up", ["upon a"]) == 2
-    assert partial_stop_length("Once up", ["xyz", "p"]) == 0
-    assert partial_stop_length("aa", ["aab"]) == 2
+    assert StopStrings(["stop"]).find("abc stop def", 5) == (4, "stop")
+    assert StopStrings(["stop"]).find("abc stop def", 8) is None  # fully inside the searched text
+    assert StopStrings(["cd", "ab"]).find("xx ab cd", 4) == (3, "ab")  # earliest wins
+    assert StopStrings(["upon a"]).partial_length("Once up") == 2
+    assert StopStrings(["xyz", "p"]).partial_length("Once up") == 0
+    assert StopStrings(["aab"]).partial_length("aa") == 2
+
+
+def test_stop_strings_match_brute_force():
+    """find / partial_length equal their definitions on random texts over a small alphabet (many hits)."""
+    rng = random.Random(0)
+    for _ in range(300):
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 6))]
+        text = "".join(rng.choice("abc ") for _ in range(rng.randint(0, 12)))
+        new_from = rng.randint(0, len(text))
+        matches = [(i, k, stop) for k, stop in enumerate(stops) for i in range(len(text) - len(stop) + 1)
+                   if text.startswith(stop, i) and i + len(stop) > new_from]
+        expected = min(matches)[::2] if matches else None
+        assert StopStrings(stops).find(text, new_from) == expected
+        partial = max((n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+        assert StopStrings(stops).partial_length(text) == partial
