@@ -7,7 +7,7 @@
   byte), ``probe`` (a failed active check).
 - ``tandem_router:ejections_total{backend}``, ``tandem_router:retries_total`` (requests sent to a
   second backend after a failure), ``tandem_router:rejected_total{status}`` (the router's own
-  429 / 502 / 503 answers).
+  400 / 429 / 502 / 503 answers; 400: a body nested too deeply to read).
 - ``tandem_router:prompt_blocks_total{backend}`` / ``tandem_router:routed_hit_blocks_total{backend}``:
   prompt blocks routed there and how many of them its index held at dispatch; their ratio is the
   routed prefix hit rate, also exported as the gauge ``tandem_router:routed_prefix_hit_rate{backend}``.
@@ -55,7 +55,7 @@ class RouterMetrics:
                 self.errors.labels(x.name, kind)
             for series in (self.requests, self.ejections, self.prompt_blocks, self.hit_blocks):
                 series.labels(x.name)
-        for status in ("429", "502", "503"):
+        for status in ("400", "429", "502", "503"):
             self.rejected.labels(status)
 
     def dispatched(self, backend: BackendState, prompt_blocks: int, hit_blocks: int) -> None:

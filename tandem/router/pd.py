@@ -52,6 +52,8 @@ PREFILL_LEG_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "rem
                       "remote_block_ids": None, "remote_host": None, "remote_port": None}
 _FORWARD_HEADERS = ("authorization", "x-request-id")
 CONNECT_ATTEMPTS = 2  # per leg: a connect timeout is tried once more (a refused connection is not)
+MAX_BODY_DEPTH = 256  # nesting levels of a body's JSON the P/D router takes (OpenAI bodies use about 10)
+MODELS_READ_TIMEOUT_S = 5.0  # GET /v1/models of a decode server: a hung one is left for the next
 
 
 @dataclass(frozen=True)
@@ -137,8 +139,14 @@ class PDProxy:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError):
             return APIError(400, "the body is not valid JSON", "invalid_request_error", None, None).response()
+        except RecursionError:
+            return APIError(400, "the body is not valid JSON: nested too deeply", "invalid_request_error", None,
+                            None).response()
         if not isinstance(body, dict):
             return APIError(400, "the body must be a JSON object", "invalid_request_error", None, None).response()
+        refused = check_body(body)
+        if refused is not None:
+            return refused.response()
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
         decode = self.choose(self.decode)
         if decode_only(body) or self.config.min_prompt_tokens and await self._is_short(decode, body, headers):
@@ -170,6 +178,24 @@ class PDProxy:
         self.num_disaggregated += 1
         return await self._relay(decode, path, {**body, "kv_transfer_params": params} if params else body, headers,
                                  body)
+
+    async def models(self, headers: dict[str, str]) -> Response:
+        """The first decode server's ``GET /v1/models`` answer that is not a 5xx (those not ejected asked
+        first); 502 ``decode_unreachable`` as OpenAI error JSON when none answers. No state changes."""
+        order = sorted(self.decode, key=lambda u: self.health[u].state is HealthState.EJECTED)
+        failures = []
+        timeout = httpx.Timeout(MODELS_READ_TIMEOUT_S, connect=self.config.connect_timeout_s)
+        for url in order:
+            try:
+                answer = await self.client.get(url + "/v1/models", headers=headers, timeout=timeout)
+            except httpx.HTTPError as e:
+                failures.append(f"{url}: {_why(e)}")
+                continue
+            if answer.status_code < 500:
+                return Response(answer.content, answer.status_code, media_type="application/json")
+            failures.append(f"{url} answered {answer.status_code}")
+        return APIError(502, f"no decode server answered /v1/models: {'; '.join(failures)}", "bad_gateway", None,
+                        "decode_unreachable", 1.0).response()
 
     async def _send(self, request: httpx.Request, stream: bool) -> httpx.Response:
         """Sends ``request``, once more after a connect timeout (nothing was sent: a loop busy with many
@@ -289,6 +315,27 @@ class PDProxy:
             self.outstanding[url] -= 1
 
 
+def check_body(body: dict[str, Any]) -> APIError | None:
+    """The 400 for a body the legs cannot carry, or None: nested deeper than ``MAX_BODY_DEPTH`` (the legs'
+    JSON encoder recurses: a body read just below the interpreter's recursion limit failed there), or a
+    NaN or an infinity (Python's ``json`` reads ``NaN`` and ``Infinity``; JSON has neither; the server
+    refuses them the same way, naming the top-level field). Iterative: no recursion of its own."""
+    for key, value in body.items():
+        stack = [(value, 2)]
+        while stack:
+            v, depth = stack.pop()
+            if isinstance(v, float) and not math.isfinite(v):
+                return APIError(400, f"{key}: Input should be a finite number", "invalid_request_error", key, None)
+            if isinstance(v, dict | list) and depth > MAX_BODY_DEPTH:
+                return APIError(400, f"the body is not valid JSON: nested too deeply (more than {MAX_BODY_DEPTH} "
+                                     "levels)", "invalid_request_error", key, None)
+            if isinstance(v, dict):
+                stack.extend((x, depth + 1) for x in v.values())
+            elif isinstance(v, list):
+                stack.extend((x, depth + 1) for x in v)
+    return None
+
+
 def decode_only(body: dict[str, Any]) -> bool:
     """True for a body the decode server must prefill itself: several prompts (one prefill leg holds one
     prompt's KV), or prompt logprobs (``prompt_logprobs``, ``echo`` with ``logprobs`` or ``max_tokens`` 0:
@@ -339,9 +386,8 @@ def build_pd_app(proxy: PDProxy) -> FastAPI:
         return Response(status_code=200)
 
     @app.get("/v1/models")
-    async def models() -> Response:
-        answer = await proxy.client.get(proxy.decode[0] + "/v1/models")
-        return Response(answer.content, answer.status_code, media_type="application/json")
+    async def models(request: Request) -> Response:
+        return await proxy.models({k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS})
 
     @app.get("/backends")
     async def backends() -> JSONResponse:

@@ -78,6 +78,9 @@ class PromptReader:
 
         A body the router cannot read (not JSON, no prompt, a template error) is routed with no
         hashes: the backend, not the router, answers it with its own error. Thread-safe (no state).
+
+        Raises:
+            RecursionError: JSON nested deeper than the interpreter's recursion limit (the router answers 400).
         """
         try:
             body = json.loads(raw)

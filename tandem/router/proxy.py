@@ -129,7 +129,12 @@ class Router:
     async def forward(self, request: Request, path: str, chat: bool) -> Response:
         """Routes one POST (``path``: e.g. ``/v1/chat/completions``) and relays its response."""
         raw = await request.body()
-        prompt = await asyncio.to_thread(self.reader.read, raw, chat)
+        try:
+            prompt = await asyncio.to_thread(self.reader.read, raw, chat)
+        except RecursionError:  # NOTE: JSON nested deeper than the interpreter's recursion limit
+            self.metrics.rejected.labels("400").inc()
+            return APIError(400, "the request body is not valid JSON: nested too deeply", "invalid_request_error",
+                            None, None).response()
         headers = filter_headers(request.headers.items(), DROP_REQUEST_HEADERS)
         tried: set[HttpBackend] = set()
         busy: Response | None = None  # a backend's 429, relayed when no other backend answers

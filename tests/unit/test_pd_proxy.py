@@ -179,3 +179,69 @@ def test_an_ejected_prefill_server_is_skipped_until_its_ejection_ends():
     assert asyncio.run(main()) == [200] * 4
     assert seen == [f"{PREFILL}/v1/completions", f"{DECODE}/v1/completions", f"{DECODE}/v1/completions",
                     f"{DECODE}/v1/completions", f"{PREFILL}/v1/completions", f"{DECODE}/v1/completions"]
+
+
+def _pd_answers(requests: list[tuple[str, str, dict | str | None]], down: set[str] = frozenset(),
+                decode: tuple[str, ...] = (DECODE,)) -> tuple[list[httpx.Response], list[str]]:
+    """Sends each (method, path, body) through a PDProxy whose servers answer 200 unless in ``down``
+    (refused connections); returns the answers and the upstream URLs asked."""
+    seen: list[str] = []
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        seen.append(str(request.url))
+        if f"{request.url.scheme}://{request.url.host}:{request.url.port}" in down:
+            raise httpx.ConnectError("connection refused")
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": request.url.host}]})
+        return httpx.Response(200, json={"choices": [{"text": "x"}], "kv_transfer_params": None})
+
+    async def main() -> list[httpx.Response]:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(upstream))
+        proxy = PDProxy(PDConfig(prefill=(PREFILL,), decode=decode), client)
+        json_type = {"content-type": "application/json"}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_pd_app(proxy)),
+                                     base_url="http://router") as router:
+            return [await router.request(method, path, content=body, headers=json_type)
+                    for method, path, body in requests]
+
+    return asyncio.run(main()), seen
+
+
+def test_bad_bodies_are_400_in_openai_shape_and_reach_no_server():
+    """A body nested 5000 deep (RecursionError) and NaN / Infinity sampling values (the legs' JSON could not
+    carry them: "Out of range float values are not JSON compliant") were 500 Internal Server Error."""
+    deep = "[" * 5000 + "]" * 5000
+    answers, seen = _pd_answers([("POST", "/v1/completions", f'{{"model": "m", "prompt": {deep}}}'),
+                                 ("POST", "/v1/completions", '{"prompt": "p", "temperature": NaN}'),
+                                 ("POST", "/v1/chat/completions", '{"messages": [], "top_p": Infinity}'),
+                                 ("POST", "/v1/completions", '{"prompt": "p", "logit_bias": {"5": -Infinity}}')])
+    assert [(a.status_code, a.json()["error"]["message"], a.json()["error"]["param"]) for a in answers] == [
+        (400, "the body is not valid JSON: nested too deeply", None),
+        (400, "temperature: Input should be a finite number", "temperature"),
+        (400, "top_p: Input should be a finite number", "top_p"),
+        (400, "logit_bias: Input should be a finite number", "logit_bias")]
+    assert all(a.json()["error"]["type"] == "invalid_request_error" for a in answers) and seen == []
+
+
+def test_models_asks_the_next_decode_server_when_the_first_is_unreachable():
+    other = "http://decode-2:8200"
+    answers, seen = _pd_answers([("GET", "/v1/models", None)], down={DECODE}, decode=(DECODE, other))
+    assert answers[0].status_code == 200 and answers[0].json()["data"] == [{"id": "decode-2"}]
+    assert seen == [f"{DECODE}/v1/models", f"{other}/v1/models"]
+    answers, _ = _pd_answers([("GET", "/v1/models", None)], down={DECODE})
+    assert (answers[0].status_code, answers[0].headers["retry-after"], answers[0].json()) == (502, "1", {"error": {
+        "message": f"no decode server answered /v1/models: {DECODE}: ConnectError: connection refused",
+        "type": "bad_gateway", "param": None, "code": "decode_unreachable"}})
+
+
+def test_a_body_nested_near_the_recursion_limit_is_a_400_not_a_500_on_the_legs():
+    """Read at 990 levels, such a body failed in the legs' JSON encoder (RecursionError: 500)."""
+    def nested(levels: int) -> str:
+        return f'{{"prompt": "p", "max_tokens": 2, "x": {"[" * levels + "]" * levels}}}'
+
+    answers, seen = _pd_answers([("POST", "/v1/completions", nested(990)), ("POST", "/v1/completions", nested(255)),
+                                 ("POST", "/v1/completions", nested(256))])
+    assert [a.status_code for a in answers] == [400, 200, 400]
+    assert answers[2].json()["error"] == {"message": "the body is not valid JSON: nested too deeply (more than 256 "
+                                          "levels)", "type": "invalid_request_error", "param": "x", "code": None}
+    assert seen == [f"{PREFILL}/v1/completions", f"{DECODE}/v1/completions"]  # the 255-level body only

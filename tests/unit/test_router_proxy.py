@@ -391,3 +391,19 @@ async def test_a_backend_back_as_another_process_or_without_events_gets_a_fresh_
     assert a.subscriber is None and isinstance(a.state.index, ApproxBlockIndex) and len(a.state.index) == 0
     await _stop(service, client)
     publisher.close()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_body_nested_too_deeply_is_a_400_in_openai_shape_not_a_500(path):
+    fakes = Fakes()
+    fakes.script = {A: ok}
+    service, client = await _start(fakes, A)
+    deep = "[" * 5000 + "]" * 5000
+    raw = f'{{"model": "m", "prompt": {deep}, "messages": {deep}}}'
+    r = await client.post(path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json() == {"error": {
+        "message": "the request body is not valid JSON: nested too deeply", "type": "invalid_request_error",
+        "param": None, "code": None}}
+    assert fakes.posts() == []
+    assert 'tandem_router:rejected_total{status="400"} 1.0' in (await client.get("/metrics")).text
+    await _stop(service, client)
