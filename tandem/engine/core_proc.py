@@ -151,7 +151,8 @@ class EngineCoreProc:
 
     def add(self, message: AddRequests) -> AddResult:
         """Queues all children of one prompt, or none: 429 past ``max_queue_len``, 400 if it can't fit
-        (more children than ``max_queue_len``, or a request the engine refuses)."""
+        (more children than ``max_queue_len``, or a request the engine refuses) or has a non-zero
+        ``priority`` while the scheduling policy is not "priority"."""
         n = len(message.requests)
         if self.max_queue_len and n > self.max_queue_len:
             return AddResult(
@@ -164,6 +165,11 @@ class EngineCoreProc:
                 message.parent_id, 429,
                 f"the waiting queue is full ({self.max_queue_len} requests); retry later",
             )
+        priority = message.requests[0].sampling_params.priority if message.requests else 0
+        if priority != 0 and (policy := self.core.scheduler.config.policy) != "priority":
+            # NOTE: vLLM refuses it too: a client asking for an order it would not get should know.
+            return AddResult(message.parent_id, 400, f"Got priority {priority} but priority scheduling is not "
+                             f"enabled (this server's --scheduling-policy is {policy})")
         added: list[str] = []
         for w in message.requests:
             request = Request(

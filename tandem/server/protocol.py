@@ -91,6 +91,7 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's usage on every chunk: not honoured, so true is a 400
 
 
 class SamplingRequest(OpenAIModel):
@@ -99,7 +100,7 @@ class SamplingRequest(OpenAIModel):
 
     unsupported: ClassVar[tuple[str, ...]] = (
         "logit_bias", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-        "allowed_token_ids", "bad_words", "logits_processors")
+        "allowed_token_ids", "bad_words", "logits_processors", "cache_salt", "prompt_embeds", "vllm_xargs")
 
     model: str | None = None
     n: Annotated[int, Field(le=MAX_N)] = checked(1, minimum=1)
@@ -136,9 +137,19 @@ class SamplingRequest(OpenAIModel):
     prompt_logprobs: NumLogprobs | None = None
     # vLLM's: logprobs show each token as "token_id:{id}" (tandem/server/logprobs.py)
     return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None  # vLLM's prompt_token_ids / token_ids on choices: not honoured (true: 400)
     allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None
+    cache_salt: Any = None
+    prompt_embeds: Any = None
+    vllm_xargs: Any = None
+    # vLLM's admission priority (lower first) under --scheduling-policy priority; other policies refuse a
+    # non-zero value (in the engine core, which knows its policy), as vLLM does.
+    priority: Annotated[int, Strict(), Field(ge=SEED_MIN, le=SEED_MAX)] = 0
+    # vLLM's beam search: only its defaults are accepted (Tandem samples; it has no beam search).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     @field_validator("kv_transfer_params")
     @classmethod
@@ -156,6 +167,11 @@ class SamplingRequest(OpenAIModel):
         for name in self.unsupported:
             if getattr(self, name) not in (None, "", {}, []):
                 raise SamplingParamsError(f"{name} is not supported", name)
+        if self.use_beam_search:
+            raise SamplingParamsError("use_beam_search is not supported (Tandem has no beam search)", "use_beam_search")
+        if self.length_penalty != 1.0:
+            raise SamplingParamsError("length_penalty is not supported (it applies to beam search only)",
+                                      "length_penalty")
 
     def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str]:
         """The request's constraint and the field it came from (``response_format`` or ``structured_outputs``).
@@ -194,6 +210,10 @@ class SamplingRequest(OpenAIModel):
         self.refuse_unsupported()
         if self.stream_options is not None and not self.stream:
             raise SamplingParamsError("stream_options is only allowed when stream is true", "stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise SamplingParamsError("stream_options.continuous_usage_stats is not supported", "stream_options")
+        if self.return_token_ids:
+            raise SamplingParamsError("return_token_ids is not supported", "return_token_ids")
         changes: dict[str, Any] = {
             "n": self.n, "seed": self.seed, "max_tokens": max_tokens, "min_tokens": self.min_tokens,
             "stop": [] if self.stop is None else self.stop, "stop_token_ids": self.stop_token_ids or [],
@@ -202,6 +222,7 @@ class SamplingRequest(OpenAIModel):
             "prompt_logprobs": self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             "presence_penalty": self.presence_penalty or 0.0,
             "frequency_penalty": self.frequency_penalty or 0.0, "kv_transfer_params": self.kv_transfer_params,
+            "priority": self.priority,
         }
         structured, _ = self.structured_outputs_params()
         if structured is not None:

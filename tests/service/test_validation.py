@@ -213,6 +213,30 @@ def test_retrieve_model_and_head_health(server):
      '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format",
      "response_format of type 'json_schema' needs json_schema.schema"),
+    # vLLM's extras a migrating client sends: refused unless honoured.
+    ("/v1/completions", {"use_beam_search": True}, "use_beam_search",
+     "use_beam_search is not supported (Tandem has no beam search)"),
+    ("/v1/chat/completions", {"length_penalty": 0.5}, "length_penalty",
+     "length_penalty is not supported (it applies to beam search only)"),
+    ("/v1/completions", {"cache_salt": "tenant-a"}, "cache_salt", "cache_salt is not supported"),
+    ("/v1/chat/completions", {"cache_salt": "tenant-a"}, "cache_salt", "cache_salt is not supported"),
+    ("/v1/completions", {"prompt_embeds": "AAAA"}, "prompt_embeds", "prompt_embeds is not supported"),
+    ("/v1/chat/completions", {"vllm_xargs": {"k": 1}}, "vllm_xargs", "vllm_xargs is not supported"),
+    ("/v1/completions", {"return_token_ids": True}, "return_token_ids", "return_token_ids is not supported"),
+    ("/v1/chat/completions", {"stream": True, "stream_options": {"include_usage": True,
+                                                                  "continuous_usage_stats": True}},
+     "stream_options", "stream_options.continuous_usage_stats is not supported"),
+    ("/v1/completions", {"priority": "x"}, "priority", "priority: Input should be a valid integer"),
+    ("/v1/completions", {"priority": []}, "priority", "priority: Input should be a valid integer"),
+    ("/v1/chat/completions", {"priority": {}}, "priority", "priority: Input should be a valid integer"),
+    ("/v1/chat/completions", {"priority": 1.5}, "priority", "priority: Input should be a valid integer"),
+    ("/v1/completions", {"priority": True}, "priority", "priority: Input should be a valid integer"),
+    # The shared server schedules by longest prefix hit (lpm, the default): an order it would not give is
+    # refused, as vLLM does.
+    ("/v1/completions", {"priority": 5}, None,
+     "Got priority 5 but priority scheduling is not enabled (this server's --scheduling-policy is lpm)"),
+    ("/v1/chat/completions", {"priority": -1}, None,
+     "Got priority -1 but priority scheduling is not enabled (this server's --scheduling-policy is lpm)"),
 ])
 def test_fields_tandem_does_not_honour_are_refused(server, path, body, param, message):
     base = {"prompt": "Hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
@@ -226,6 +250,12 @@ def test_fields_that_change_nothing_are_accepted(server):
                                               "tool_choice": "none", "parallel_tool_calls": None,
                                               "response_format": {"type": "text"}, "guided_json": None})
     assert r.status_code == 200, r.text
+    # vLLM's defaults of the extras refused above change nothing either.
+    defaults = {"priority": 0, "use_beam_search": False, "length_penalty": 1.0, "cache_salt": None,
+                "prompt_embeds": None, "vllm_xargs": None, "return_token_ids": False}
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2, **defaults, "stream": True,
+                                         "stream_options": {"include_usage": True, "continuous_usage_stats": False}})
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n"), r.text
 
 
 @pytest.mark.parametrize("path, param", [("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")])
