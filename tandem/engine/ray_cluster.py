@@ -9,6 +9,15 @@ connection; after ``cluster_lost_after_s`` without one it logs one ERROR naming 
 503. With a ``rejoin`` action (a cluster joined at an address), it then waits for the GCS to answer again
 and runs it (join, place and start the engine actors again); without one (a local cluster this server
 started) the server must be restarted.
+
+Leaving calls Ray's core worker, whose every call to its raylet that fails while the raylet is dead ends the
+process at once, without a Python log (``raylet_ipc_client.cc``, ``ShutdownIfLocalRayletDisconnected``:
+"Exiting because the Raylet IPC connection failed and the local Raylet is dead", ``QuickExit``). Ray thinks
+the raylet dead when the process ``RAY_RAYLET_PID`` names is gone, or, unset (a driver), when this process's
+parent is pid 1 (``getppid() == 1``: a server under systemd, tini or ``nohup ... &`` from a shell that
+exited). Ray reads ``RAY_RAYLET_PID`` once, when ``ray`` is imported: ``import_ray`` sets it to this process's
+own pid for that import, so no such call can end the server. Where ``ray`` was imported before (unguarded)
+and leaving would end the process, the server logs the one ERROR and exits with code 1 itself instead.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +39,54 @@ CHECK_INTERVAL_S = 1.0  # how often the GCS must accept a connection
 LOST_AFTER_S = 10.0  # the cluster counts as lost after this long without (at most a third of Ray's timeout)
 RAY_GCS_TIMEOUT_S = 60.0  # Ray's default gcs_rpc_server_reconnect_timeout_s: a driver exits after this
 REJOIN_RETRY_S = 5.0  # pause after a failed rejoin
+RAYLET_PID_ENV = "RAY_RAYLET_PID"  # the process Ray's core worker takes for its raylet (read at import)
+EXIT_CLUSTER_LOST = 1  # exit code when the lost cluster cannot be left in-process (a supervisor restarts it)
+
+_raylet_pid: str | None = None  # RAY_RAYLET_PID as Ray read it, when ``import_ray`` imported ray
+_imported_here = False
+
+
+def import_ray() -> Any:
+    """Imports ``ray`` with ``RAY_RAYLET_PID`` set to this process's pid (unless set already), so Ray's core
+    worker never takes its raylet for dead and ends the process (see the module doc); the variable is
+    restored afterwards (processes Ray starts do not inherit it). Changes: ``os.environ`` while importing.
+
+    Raises: ImportError (ray is not installed).
+    """
+    global _raylet_pid, _imported_here
+    if "ray" in sys.modules:
+        import ray
+
+        return ray
+    before = os.environ.get(RAYLET_PID_ENV)
+    if before is None:
+        os.environ[RAYLET_PID_ENV] = str(os.getpid())
+    try:
+        import ray  # NOTE: Ray's C++ config (RayConfig) is built here and reads RAY_RAYLET_PID once
+    finally:
+        if before is None:
+            os.environ.pop(RAYLET_PID_ENV, None)
+    _raylet_pid, _imported_here = before or str(os.getpid()), True
+    return ray
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def ray_would_exit() -> bool:
+    """Whether a failing call to a dead raylet would end this process (Ray's own test: the process named by
+    ``RAY_RAYLET_PID`` as Ray read it is gone, or, unset, the parent is pid 1). No state changes."""
+    pid = _raylet_pid if _imported_here else os.environ.get(RAYLET_PID_ENV)
+    if pid:
+        return not pid.isdigit() or not _pid_alive(int(pid))
+    return os.getppid() == 1
 
 
 def cluster_lost_after_s(environ: dict[str, str] | None = None) -> float:
@@ -65,6 +123,12 @@ def reinstall_signal_handlers() -> None:
         handler = signal.getsignal(sig)
         if handler is not None:
             signal.signal(sig, handler)
+
+
+def _exit(code: int) -> None:
+    """Ends the process now with ``code`` (logs flushed first): no Ray call may run on the way out."""
+    logging.shutdown()
+    os._exit(code)
 
 
 class ClusterWatch:
@@ -127,9 +191,17 @@ class ClusterWatch:
                             f"s): its engine actors are lost; the server answers 503 {after}")
 
     def _leave(self, reason: str) -> None:
-        """Marks the cluster lost (one ERROR) and leaves it. Changes: ``lost``; Ray's connection."""
+        """Marks the cluster lost (one ERROR) and leaves it. Changes: ``lost``; Ray's connection. Where leaving
+        would end the process (``ray_would_exit``) it exits with ``EXIT_CLUSTER_LOST`` after the ERROR instead."""
         with self.lock:
             self.lost = reason
+            if ray_would_exit():
+                logger.error("%s; leaving the cluster would end this process silently (Ray's core worker exits when "
+                             "it takes its raylet for dead: %s names no live process or, unset, the parent is pid 1): "
+                             "exiting with code %d for a supervisor to restart the server", reason, RAYLET_PID_ENV,
+                             EXIT_CLUSTER_LOST)
+                _exit(EXIT_CLUSTER_LOST)
+                return
             logger.error("%s", reason)
             try:
                 self.ray.shutdown()

@@ -37,7 +37,7 @@ from typing import Any
 
 from tandem.config import EngineConfig, ParallelConfig
 from tandem.engine.core_client import EngineCoreStartError
-from tandem.engine.ray_cluster import ClusterWatch, unreachable
+from tandem.engine.ray_cluster import ClusterWatch, import_ray, unreachable
 from tandem.engine.remote_client import (
     RECONNECT_TIMEOUT_S,
     EngineCoreAwayError,
@@ -206,7 +206,7 @@ class RayEngines:
 
     def __init__(self, model_dir: Path, config: EngineConfig, parallel: ParallelConfig, log_level: str) -> None:
         try:
-            import ray
+            ray = import_ray()
         except ImportError:
             raise ValueError("--data-parallel-backend ray needs Ray: pip install 'tandem[ray]'") from None
         self.ray = ray

@@ -10,15 +10,17 @@ and it still shuts down cleanly (exit code 0) on SIGTERM."""
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 
 import httpx
 import psutil
 import pytest
-from live_server import MODEL, Server, free_port
+from live_server import MODEL, ROOT, Server, free_port
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'tandem[ray]'); the Ray backend is untested")
 
@@ -119,3 +121,51 @@ def test_server_outlives_its_ray_head_answers_503_and_serves_again_once_it_is_ba
     assert again.status_code == 200 and again.json()["choices"][0]["text"] == text
     assert len(rejoined) == 1 and [e["restarts"] for e in engines] == [1, 1] and all(e["healthy"] for e in engines)
     assert code == 0, s.log()[-3000:]
+
+
+def test_an_orphaned_server_leaves_its_lost_cluster_alive(ray_head, stories_dir, tmp_path):
+    """A server whose parent is pid 1 (under systemd or tini, or started with `&` from a shell that exited): Ray's
+    core worker took its raylet for dead once the head was gone, and leaving the cluster (ray.shutdown) ended the
+    process without a word. It must stay up and answer 503 like any other."""
+    address, temp_dir, _ = ray_head
+    port, log = free_port(), tmp_path / "server.log"
+    cmd = [sys.executable, "-m", "tandem.cli", "--log-level", "INFO", "serve", "--model", str(stories_dir),
+           "--dtype", "float32", "--num-threads", "1", "--port", str(port), "-dp", "2",
+           "--data-parallel-backend", "ray", "--ray-address", address, "--served-model-name", MODEL]
+    # NOTE: the shell starts the server in the background and exits: the server is re-parented (to pid 1 here)
+    started = subprocess.run(["sh", "-c", f'{shlex.join(cmd)} >{shlex.quote(str(log))} 2>&1 & echo $!'],
+                             cwd=ROOT, env={**os.environ, **RAY_ENV}, capture_output=True, text=True, timeout=30)
+    server = psutil.Process(int(started.stdout.strip()))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        if server.ppid() != 1:
+            pytest.skip(f"the orphaned server's parent is pid {server.ppid()} (a subreaper), not 1")
+        deadline = time.monotonic() + 300
+        while not _healthy(url):
+            assert server.is_running() and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        for p in head_processes(temp_dir):
+            p.kill()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < RAY_GCS_TIMEOUT_S + 3:
+            assert server.is_running() and server.status() != psutil.STATUS_ZOMBIE, \
+                f"the server vanished:\n{log.read_text()[-3000:]}"
+            time.sleep(0.5)
+        health = httpx.get(f"{url}/health", timeout=10)
+    finally:
+        if server.is_running():
+            server.terminate()
+            try:
+                server.wait(30)
+            except psutil.TimeoutExpired:
+                server.kill()
+    assert health.status_code == 503 and health.json()["error"]["code"] == "engine_unavailable"
+    lines = [line for line in log.read_text().splitlines() if "ERROR tandem.engine.ray_cluster" in line]
+    assert len(lines) == 1 and "engine actors are lost" in lines[0], lines
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -4,7 +4,10 @@ tests/service/test_ray_head_loss.py)."""
 
 import asyncio
 import logging
+import os
 import socket
+import subprocess
+import sys
 import time
 import types
 
@@ -49,6 +52,7 @@ def fast(monkeypatch):
     monkeypatch.setattr(ray_cluster, "CHECK_INTERVAL_S", 0.01)
     monkeypatch.setattr(ray_cluster, "REJOIN_RETRY_S", 0.01)
     monkeypatch.setenv("RAY_gcs_rpc_server_reconnect_timeout_s", "0.03")
+    monkeypatch.setattr(ray_cluster, "ray_would_exit", lambda: False)  # NOTE: e.g. pytest's parent is pid 1
 
 
 def test_a_refused_gcs_loses_a_local_cluster_for_good(fast, caplog):
@@ -129,3 +133,61 @@ def test_away_is_the_503_while_reconnecting_and_gone_stops_the_reconnects(monkey
     assert seen == [None, (LOST, 10.0, False)]  # the cluster's reason in the 503 while away; tried again
     assert sup.permanent and str(sup.unavailable) == LOST and sup.unavailable.retry_after is None
     assert [str(e) for e in lost] == ["the connection to the engine core at tcp://10.0.0.2:5000 was lost"]
+
+
+def test_import_ray_names_this_process_as_the_raylet_while_ray_reads_its_config():
+    """Ray reads RAY_RAYLET_PID once, at import: named there, this process's own pid keeps Ray's core worker from
+    ending the server when its raylet dies (a parent of pid 1 otherwise ends it on leaving); the variable is
+    restored after the import (the live case: test_ray_head_loss, an orphaned server)."""
+    pytest.importorskip("ray", reason="ray is not installed (pip install 'tandem[ray]')")
+    code = ("import os, sys\n"
+            "from tandem.engine import ray_cluster\n"
+            "assert 'ray' not in sys.modules\n"
+            "seen = []\n"
+            "import builtins\n"
+            "real = builtins.__import__\n"
+            "def spy(name, *a, **k):\n"
+            "    if name == 'ray' and not seen:\n"
+            "        seen.append(os.environ.get('RAY_RAYLET_PID'))\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = spy\n"
+            "ray_cluster.import_ray()\n"
+            "builtins.__import__ = real\n"
+            "os.getppid = lambda: 1\n"
+            "print(seen[0] == str(os.getpid()), os.environ.get('RAY_RAYLET_PID'), ray_cluster.ray_would_exit())\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_RAYLET_PID"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "None", "False"]
+
+
+def test_ray_would_exit_follows_rays_own_test(monkeypatch):
+    monkeypatch.setattr(ray_cluster, "_imported_here", False)
+    monkeypatch.delenv("RAY_RAYLET_PID", raising=False)
+    monkeypatch.setattr(os, "getppid", lambda: 1)
+    assert ray_cluster.ray_would_exit()  # a driver whose parent is pid 1 (systemd, tini, an exited shell)
+    monkeypatch.setattr(os, "getppid", lambda: 4242)
+    assert not ray_cluster.ray_would_exit()
+    monkeypatch.setenv("RAY_RAYLET_PID", str(os.getpid()))
+    monkeypatch.setattr(os, "getppid", lambda: 1)
+    assert not ray_cluster.ray_would_exit()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    monkeypatch.setenv("RAY_RAYLET_PID", str(dead.pid))
+    assert ray_cluster.ray_would_exit()
+    monkeypatch.setattr(ray_cluster, "_imported_here", True)  # what Ray read at import counts, not the variable now
+    monkeypatch.setattr(ray_cluster, "_raylet_pid", str(os.getpid()))
+    assert not ray_cluster.ray_would_exit()
+
+
+def test_a_lost_cluster_that_cannot_be_left_in_process_exits_loudly_with_code_1(fast, monkeypatch, caplog):
+    exits = []
+    monkeypatch.setattr(ray_cluster, "ray_would_exit", lambda: True)
+    monkeypatch.setattr(ray_cluster, "_exit", exits.append)
+    watch = ClusterWatch(FakeRay(), "10.0.0.1:6379", rejoin=lambda: None)
+    with caplog.at_level(logging.ERROR, logger="tandem.engine.ray_cluster"):
+        watch._leave(LOST)
+    assert exits == [1] and watch.ray.shutdowns == 0  # NOTE: ray.shutdown would end the process without a word
+    [record] = caplog.records
+    assert record.levelno == logging.ERROR and record.getMessage().startswith(LOST + "; leaving the cluster would ")
+    assert record.getMessage().endswith("exiting with code 1 for a supervisor to restart the server")
