@@ -25,7 +25,8 @@ from tandem.engine.core_client import INPUT_HWM, EngineCoreClient, EngineCoreSta
 from tandem.engine.core_proc import AddResult, CoreFailed, OutputMessage, Ready, StepFailed, StepOutputs
 from tandem.engine.handshake import HEARTBEAT_INTERVAL_S, Challenge, Goodbye, Heartbeat, Hello, Proof, Refused, sign
 from tandem.engine.supervisor import CoreSupervisor
-from tandem.errors import EngineDeadError
+from tandem.errors import EngineDeadError, EngineRequestError
+from tandem.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +171,30 @@ class RemoteEngineCoreClient(EngineCoreClient):
         if not self.loss_reason:
             logger.error("%s", reason)
             self.loss_reason = reason
+
+    def add_requests(self, parent_id: str, requests: list[Request]) -> None:
+        """``EngineCoreClient.add_requests``; a send refused because the connection just dropped is the core's
+        loss (503), not a full queue (429).
+
+        Raises:
+            EngineRequestError: 400 (a field of the wrong type), 429 (the core's input queue is full).
+            EngineDeadError: the connection is lost (``lose`` runs; the watchdog then runs ``on_death``).
+        """
+        try:
+            super().add_requests(parent_id, requests)
+        except EngineRequestError as e:
+            if e.status != 429 or not self._disconnect_pending():
+                raise
+            self.lose(f"the connection to the engine core at {self.address} was lost")
+            raise EngineDeadError(f"{self.loss_reason}; reconnecting", RECONNECT_RETRY_AFTER_S) from None
+
+    def _disconnect_pending(self) -> bool:
+        """Whether the socket monitor holds a disconnect the watchdog has not read yet.
+
+        NOTE: with ``IMMEDIATE`` a send fails (``zmq.Again``, as on a full queue) as soon as ZeroMQ's I/O thread
+        drops the connection's pipe, which it does after queueing the monitor's ``EVENT_DISCONNECTED``: a request
+        handled before the watchdog's turn finds the event here."""
+        return self._monitor is not None and bool(self._monitor.get(zmq.EVENTS) & zmq.POLLIN)
 
     def _send_heartbeat(self) -> None:
         try:

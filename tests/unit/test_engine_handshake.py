@@ -8,6 +8,7 @@ import asyncio
 import socket
 import threading
 import time
+import types
 
 import pytest
 
@@ -185,6 +186,7 @@ def service():
     svc = EngineCoreService(FakeCore(), sock, PeerGate(SECRET), Ready(64, 10, 16, "fake", 512), 0)
     thread = threading.Thread(target=svc.run, daemon=True)
     thread.start()
+    svc.router, svc.thread = sock, thread  # NOTE: for a test that closes the core's end itself
     yield svc, address
     svc.stopping = True
     thread.join(5)
@@ -264,3 +266,49 @@ def test_a_silent_core_is_declared_lost_by_the_heartbeat_timeout(service):
         assert not client.is_alive()
     finally:
         client.close()
+
+
+def test_a_send_on_a_connection_that_just_dropped_is_the_cores_loss_not_a_full_queue(service):
+    """The core's process is gone (its socket closed) and a request arrives before the watchdog's turn: ZeroMQ
+    refuses the send as it refuses one on a full queue, but the answer is 503 engine_unavailable, not 429."""
+    import zmq
+
+    from tandem.engine.remote_client import RemoteEngineCoreClient
+    from tandem.errors import EngineDeadError
+    from tandem.sampling_params import SamplingParams
+
+    svc, address = service
+    client = RemoteEngineCoreClient.connect(address, SECRET, timeout_s=5)
+    request = types.SimpleNamespace(request_id="r1-0", prompt_token_ids=[1, 2], sampling_params=SamplingParams(),
+                                    eos_token_ids={0}, max_tokens=2, arrival_time=0.0)
+    deaths = []
+
+    async def run() -> BaseException:
+        client.attach(lambda: deaths.append(client.loss_reason))
+        svc.stopping = True
+        svc.thread.join(5)
+        svc.router.close(linger=0)  # NOTE: the core's end closes, as when its process is killed
+        deadline = time.monotonic() + 5  # NOTE: blocking: the watchdog gets no turn meanwhile
+        # NOTE: the monitor's event first, then the pipe's end reaches the socket (no room to send: the 429 before)
+        while not client._monitor.get(zmq.EVENTS) & zmq.POLLIN or client.inputs.poll(0, zmq.POLLOUT):
+            assert time.monotonic() < deadline, "ZeroMQ did not notice the closed connection within 5 s"
+            time.sleep(0.01)
+        try:
+            client.add_requests("r1", [request])
+        except Exception as e:  # noqa: BLE001 - the test checks which
+            error = e
+        for _ in range(50):  # the watchdog's turn: on_death once
+            if deaths:
+                break
+            await asyncio.sleep(0.1)
+        client.detach()
+        return error
+
+    try:
+        error = asyncio.run(run())
+    finally:
+        client.close()
+    assert isinstance(error, EngineDeadError), repr(error)
+    assert str(error) == f"the connection to the engine core at {address} was lost; reconnecting"
+    assert error.retry_after == 2.0
+    assert deaths == [f"the connection to the engine core at {address} was lost"]
