@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -300,22 +301,29 @@ def run_router(config: RouterConfig, log_level: str = "info") -> int:
         ConfigError: kv-aware and no tokenizer (``with_default_tokenizer``), a tokenizer that does not
             load, or a bad chat template (all before the server starts).
     """
-    import uvicorn
-
     config = with_default_tokenizer(config)
     router_chat_template(config)  # NOTE: a bad tokenizer or template is a one-line error, not a failed lifespan
     logging.getLogger("httpx").setLevel(logging.WARNING)  # NOTE: not a line per proxied request
     service = RouterService(config, tokenizer=load_router_tokenizer(config))
+    return serve_router_app(build_app(service), config.host, config.port, log_level, lambda: (
+        f"{len(service.backends)} backends, policy {config.policy}, block size {service.block_size}"))
+
+
+def serve_router_app(app: FastAPI, host: str, port: int, log_level: str, describe: Callable[[], str]) -> int:
+    """Serves ``app`` with uvicorn until interrupted; once it listens, prints ``tandem router: listening on
+    http://HOST:PORT (DESCRIBE)`` on stderr (the port bound, for ``--port 0``; ``describe()`` is called
+    then, after the app's start-up). Returns the exit code: 1 when it never started."""
+    import uvicorn
 
     class _Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
             if not self.should_exit:  # listening: the one line a user (or a script) waits for
-                print(f"tandem router: listening on http://{config.host}:{config.port} "
-                      f"({len(service.backends)} backends, policy {config.policy}, block size {service.block_size})",
-                      file=sys.stderr, flush=True)
+                bound = self.servers[0].sockets[0].getsockname()[1] if self.servers else port
+                print(f"tandem router: listening on http://{host}:{bound} ({describe()})", file=sys.stderr,
+                      flush=True)
 
-    server = _Server(uvicorn.Config(build_app(service), host=config.host, port=config.port,
-                                    log_level=log_level.lower(), timeout_graceful_shutdown=5))
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
+                                    timeout_graceful_shutdown=5))
     server.run()
     return 0 if server.started else 1

@@ -425,11 +425,12 @@ def pd_config_from_args(args: argparse.Namespace) -> PDConfig:
 
 
 def cmd_pd_router(args: argparse.Namespace) -> int:
-    """``tandem router --prefill ... --decode ...``: serves the P/D proxy until interrupted."""
-    import uvicorn
+    """``tandem router --prefill ... --decode ...``: serves the P/D proxy until interrupted; prints the
+    ``tandem router: listening on ...`` line on stderr once it listens (as ``--backend`` routing does)."""
+    from tandem.router.app import serve_router_app
 
     if args.backend:
         raise ValueError("--backend cannot be combined with --prefill/--decode (P/D routing)")
     proxy = PDProxy(pd_config_from_args(args))
-    uvicorn.run(build_pd_app(proxy), host=args.host, port=args.port, log_level="warning")
-    return 0
+    return serve_router_app(build_pd_app(proxy), args.host, args.port, "warning", lambda: (
+        f"P/D: {len(proxy.prefill)} prefill, {len(proxy.decode)} decode servers"))

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import subprocess
+import sys
+import time
 from contextlib import ExitStack
 
 import httpx
 import pytest
 from faulty_backend import TEXT_CHUNKS, FaultyBackend, ThreadServer
+from live_server import ROOT, stop_process
 
 from tandem.cli import build_parser
 from tandem.config import ConfigError
@@ -112,3 +117,26 @@ def test_the_flag_maps_onto_the_config_and_is_checked():
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ConfigError, match="--first-byte-timeout must be a finite number >= 0"):
             PDConfig(prefill=("http://p:1",), decode=("http://d:1",), first_byte_timeout_s=bad)
+
+
+def test_the_pd_router_prints_its_listening_line_and_serves(tmp_path):
+    """``tandem router --prefill/--decode`` printed nothing once it listened (the --backend router prints
+    its ready line; scripts wait for it)."""
+    backend = FaultyBackend()
+    with ThreadServer(backend.app) as server:
+        log_path = tmp_path / "pd_router.log"
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", "router", "--port", "0", "--prefill",
+                                     server.url, "--decode", server.url, "--decode", "http://127.0.0.1:9"],
+                                    cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log)
+            try:
+                deadline = time.monotonic() + 120
+                while not (line := re.search(r"tandem router: listening on http://127\.0\.0\.1:(\d+) \((.*)\)\n",
+                                             log_path.read_text())):
+                    assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+                    time.sleep(0.1)
+                assert line.group(2) == "P/D: 1 prefill, 2 decode servers"
+                port = int(line.group(1))
+                assert port != 0 and httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+            finally:
+                stop_process(proc, log, 15.0)
