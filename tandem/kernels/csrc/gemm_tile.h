@@ -160,12 +160,13 @@ __attribute__((always_inline)) inline void tile_pass(const uint16_t* x, int64_t 
     for (int u = 0; u < CP; ++u)
       acc[i * CP + u] = first ? _mm512_setzero_ps() : _mm512_load_ps(part + ((p * CP + u) * D + i) * 16);
   for (int64_t k = k0 + 32 * CP * p; k < k1; k += 32 * U) {
-    if constexpr (p == 0)  // the next tile's rows in order, all the block's lines (one pass ahead of the rest)
-      if (pf != nullptr)
+    // NOTE: each pass prefetches its own lines of the next tile's rows; all of them in pass 0 measured
+    // 1.21x the time at 16 tokens on a 151936-row LM head streamed from memory (1.14x on gate_up).
+    if (pf != nullptr)
+      TANDEM_UNROLL
+      for (int r = 0; r < RB; ++r)
         TANDEM_UNROLL
-        for (int r = 0; r < RB; ++r)
-          TANDEM_UNROLL
-          for (int u = 0; u < U; ++u) _mm_prefetch(reinterpret_cast<const char*>(pf + r * ldw + k + 32 * u), _MM_HINT_T0);
+        for (int u = 0; u < CP; ++u) _mm_prefetch(reinterpret_cast<const char*>(pf + r * ldw + k + 32 * u), _MM_HINT_T0);
     TANDEM_UNROLL
     for (int u = 0; u < CP; ++u) {
       __m512bh wv[RB];
