@@ -70,20 +70,22 @@ def append_tokens(request: Request, sampled: list[int], max_model_len: int) -> l
 def check_stop(request: Request, token_id: int, max_model_len: int) -> bool:
     """Sets a finished status (and ``stop_reason``) if ``token_id``, just appended, ends the request.
 
-    In order: ``stop_token_ids`` / EOS (EOS ignored with ``ignore_eos``; neither within the first
-    ``min_tokens`` output tokens) -> FINISHED_STOPPED (``stop_reason`` = the stop token id, None
-    for EOS); ``max_tokens`` output tokens or ``max_model_len`` tokens -> FINISHED_LENGTH.
+    In order (vLLM's ``check_stop``, vllm/v1/core/sched/utils.py): EOS (ignored with ``ignore_eos``) ->
+    FINISHED_STOPPED with ``stop_reason`` None, also when EOS is in ``stop_token_ids``; a stop token id ->
+    FINISHED_STOPPED with ``stop_reason`` = the id (neither within the first ``min_tokens`` output tokens);
+    ``max_tokens`` output tokens or ``max_model_len`` tokens -> FINISHED_LENGTH, so a stop token that is
+    also the last allowed token gives "stop".
     """
     params = request.sampling_params
     # NOTE: the first min_tokens tokens never stop; the sampler also masks them (vLLM's min_tokens).
     if request.num_output_tokens > params.min_tokens:
-        if token_id in params.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = token_id
-            return True
         if not params.ignore_eos and token_id in request.eos_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = None
+            return True
+        if token_id in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token_id
             return True
     if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
         request.status = RequestStatus.FINISHED_LENGTH

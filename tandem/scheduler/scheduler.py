@@ -320,9 +320,10 @@ class Scheduler(RemoteKVMixin):
         A row that verified s drafts gets 1 to s + 1 tokens (accepted drafts, then the target's own);
         ``num_computed_tokens`` advances over the scheduled tokens minus the rejected drafts, whose KV
         slots are simply overwritten later.
-        Per new token, in order: ``stop_token_ids`` / EOS (EOS ignored with ``ignore_eos``; neither
-        within the first ``min_tokens`` output tokens) -> "stop" (``stop_reason`` = the stop token id,
-        None for EOS); ``max_tokens`` output tokens -> "length"; ``max_model_len`` tokens -> "length".
+        Per new token, in order (``results.check_stop``, vLLM's): EOS (ignored with ``ignore_eos``) ->
+        "stop" with ``stop_reason`` None; a stop token id -> "stop" with it (neither within the first
+        ``min_tokens`` output tokens); ``max_tokens`` output tokens -> "length"; ``max_model_len`` tokens
+        -> "length".
         The stop token stays in ``output_token_ids``; tokens sampled after a stop are dropped.
 
         Returns:

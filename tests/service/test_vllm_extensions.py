@@ -6,8 +6,11 @@ its tokenizer (the ids decode, in context, to the returned text)."""
 
 from __future__ import annotations
 
+import json
+
+import openai
 import pytest
-from live_server import CHATML, MODEL
+from live_server import CHATML, MODEL, Server
 
 PROMPT = "Once upon a time"
 
@@ -110,6 +113,10 @@ def test_completion_stop_reason(api_client, case):
     out = api_client.completions.create(**kwargs, extra_body={"stop_token_ids": [ids[k]]})
     assert (out.choices[0].finish_reason, out.choices[0].stop_reason) == ("stop", ids[k])
     assert out.usage.completion_tokens == k + 1
+    # A stop token that is also the max_tokens-th token: "stop" with its id (vLLM checks it before the length).
+    out = api_client.completions.create(**{**kwargs, "max_tokens": k + 1}, extra_body={"stop_token_ids": [ids[k]]})
+    assert (out.choices[0].finish_reason, out.choices[0].stop_reason) == ("stop", ids[k])
+    assert out.usage.completion_tokens == k + 1
     out = api_client.completions.create(**{**kwargs, "max_tokens": 5}).choices[0]
     assert (out.finish_reason, out.stop_reason) == ("length", None)
     chunks = list(api_client.completions.create(**{**kwargs, "max_tokens": 5}, stream=True))
@@ -136,3 +143,41 @@ def test_chat_stop_reason(api_client):
     assert out.usage.completion_tokens == k + 1
     chunks = list(api_client.chat.completions.create(**kwargs, stream=True, extra_body={"stop_token_ids": [ids[k]]}))
     assert (chunks[-1].choices[0].finish_reason, chunks[-1].choices[0].stop_reason) == ("stop", ids[k])
+
+
+@pytest.fixture(scope="module")
+def eos_server(stories_dir, case, tmp_path_factory):
+    """stories260K whose EOS is a token its greedy continuation of PROMPT reaches (greedy never reaches
+    its own EOS), so a request can end on EOS. Yields (server, that EOS id, its index in the continuation)."""
+    ids = case["greedy_token_ids"]
+    k = first_new(ids, 3)
+    model = tmp_path_factory.mktemp("eos-model")
+    for f in stories_dir.iterdir():
+        if f.name not in ("config.json", "generation_config.json"):
+            (model / f.name).symlink_to(f)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((stories_dir / name).read_text())
+        (model / name).write_text(json.dumps({**config, "eos_token_id": ids[k]}))
+    server = Server(model, model.parent / "server.log")
+    try:
+        server.wait_healthy()
+        yield server, ids[k], k
+    finally:
+        server.stop()
+
+
+def test_eos_listed_in_stop_token_ids_has_null_stop_reason(eos_server):
+    """vLLM checks EOS before stop_token_ids: ending on EOS gives stop_reason null even when the client
+    lists EOS's id among its stop tokens; with ignore_eos, EOS is a stop token like any other."""
+    server, eos, k = eos_server
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    kwargs = dict(model=server.model, prompt=PROMPT, max_tokens=64, temperature=0)
+    plain = client.completions.create(**kwargs)
+    assert (plain.choices[0].finish_reason, plain.choices[0].stop_reason) == ("stop", None)
+    assert plain.usage.completion_tokens == k + 1
+    for extra, stop_reason in [({"stop_token_ids": [eos]}, None), ({"stop_token_ids": [eos], "ignore_eos": True}, eos)]:
+        out = client.completions.create(**kwargs, extra_body=extra)
+        assert (out.choices[0].finish_reason, out.choices[0].stop_reason) == ("stop", stop_reason)
+        assert out.choices[0].text == plain.choices[0].text and out.usage == plain.usage
+        chunks = list(client.completions.create(**kwargs, extra_body=extra, stream=True))
+        assert (chunks[-1].choices[0].finish_reason, chunks[-1].choices[0].stop_reason) == ("stop", stop_reason)

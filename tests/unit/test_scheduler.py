@@ -319,6 +319,25 @@ def test_stop_token_ids_set_stop_reason():
     assert req.stop_reason == 9
 
 
+def test_eos_in_stop_token_ids_has_no_stop_reason():
+    """As vLLM's check_stop: EOS is checked first, so listing it in stop_token_ids changes nothing;
+    with ignore_eos it is a stop token like any other."""
+    req = make_request("a", 5, max_tokens=10, stop_token_ids=[EOS])
+    outputs = finish(req, tokens_then([3, EOS, 4]))
+    assert (outputs[-1].finish_reason, outputs[-1].stop_reason) == ("stop", None)
+    req = make_request("b", 5, max_tokens=10, stop_token_ids=[EOS], ignore_eos=True)
+    outputs = finish(req, tokens_then([3, EOS, 4]))
+    assert (outputs[-1].finish_reason, outputs[-1].stop_reason) == ("stop", EOS)
+
+
+def test_stop_token_id_as_the_last_allowed_token_is_stop():
+    """vLLM's check_stop looks at stop tokens before max_tokens: "stop" with the id, not "length"."""
+    req = make_request("a", 5, max_tokens=2, stop_token_ids=[9])
+    outputs = finish(req, tokens_then([3, 9]))
+    assert req.output_token_ids == [3, 9]
+    assert (outputs[-1].finish_reason, outputs[-1].stop_reason) == ("stop", 9)
+
+
 def test_min_tokens_delays_eos_and_stop_tokens():
     req = make_request("a", 5, max_tokens=10, min_tokens=2, stop_token_ids=[9])
     outputs = finish(req, tokens_then([EOS, 9, 9, 4]))
