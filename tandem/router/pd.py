@@ -12,10 +12,10 @@ One request, as vLLM's disaggregation proxy and vllm-router's PD mode send it:
 3. Prefill leg: the client's body with ``"kv_transfer_params": {"do_remote_decode": true, ...}``,
    ``max_tokens`` (and ``max_completion_tokens``) 1, ``n`` 1, ``stream`` false, no ``stream_options``,
    ``min_tokens`` or ``best_of``. A refusal (4xx) is the client's answer; an unreachable prefill server,
-   one answering 5xx (its engine died or restarts) or one silent for ``--first-byte-timeout`` sends the
-   request to the decode server alone (it prefills itself), as do several prompts in one body, prompt
-   logprobs (``decode_only``) and every prefill server being ejected (until an ejection time is up: that
-   request is the server's half-open trial).
+   one answering 5xx (its engine died or restarts) or 200 without a JSON object, or one silent for
+   ``--first-byte-timeout`` sends the request to the decode server alone (it prefills itself), as do
+   several prompts in one body, prompt logprobs (``decode_only``) and every prefill server being ejected
+   (until an ejection time is up: that request is the server's half-open trial).
 4. Decode leg: the client's body plus the ``kv_transfer_params`` of the prefill leg's response; its
    answer (an SSE stream or JSON) is relayed to the client as it comes. A client that leaves closes
    the decode leg, so the decode server aborts and frees both sides' blocks. A decode server that cannot
@@ -174,7 +174,14 @@ class PDProxy:
         if answer.status_code != 200:
             return Response(answer.content, answer.status_code, media_type="application/json",
                             headers=_retry_after(answer))
-        params = answer.json().get("kv_transfer_params")
+        try:
+            params = answer.json().get("kv_transfer_params")
+        except (ValueError, AttributeError):  # NOTE: not a JSON object: the decode server can still prefill
+            self.health[prefill].on_failure("answered 200 without a JSON object")
+            logger.warning("prefill server %s answered 200 without a JSON object: the decode server prefills itself",
+                           prefill)
+            self.num_prefill_unreachable += 1
+            return await self._relay(decode, path, body, headers, body)
         self.num_disaggregated += 1
         return await self._relay(decode, path, {**body, "kv_transfer_params": params} if params else body, headers,
                                  body)

@@ -8,6 +8,7 @@ import asyncio
 import json
 
 import httpx
+import pytest
 
 from tandem.router.health import HealthState
 from tandem.router.pd import PDConfig, PDProxy, build_pd_app
@@ -245,3 +246,29 @@ def test_a_body_nested_near_the_recursion_limit_is_a_400_not_a_500_on_the_legs()
     assert answers[2].json()["error"] == {"message": "the body is not valid JSON: nested too deeply (more than 256 "
                                           "levels)", "type": "invalid_request_error", "param": "x", "code": None}
     assert seen == [f"{PREFILL}/v1/completions", f"{DECODE}/v1/completions"]  # the 255-level body only
+
+
+
+@pytest.mark.parametrize("content", [b"<html>ok</html>", b"[1, 2]"])
+def test_a_prefill_answer_that_is_not_a_json_object_lets_decode_prefill(content):
+    """A 200 whose body is not a JSON object (a proxy's HTML page, a JSON list) was a 500."""
+    seen: list[tuple[str, dict]] = []
+    body = {"prompt": "p", "max_tokens": 2}
+
+    def upstream(request: httpx.Request) -> httpx.Response:
+        seen.append((str(request.url), json.loads(request.content)))
+        if str(request.url).startswith(PREFILL):
+            return httpx.Response(200, content=content)
+        return httpx.Response(200, json={"choices": [{"text": "decoded"}]})
+
+    async def main() -> tuple[httpx.Response, PDProxy]:
+        proxy = PDProxy(PDConfig(prefill=(PREFILL,), decode=(DECODE,)),
+                        httpx.AsyncClient(transport=httpx.MockTransport(upstream)))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_pd_app(proxy)),
+                                     base_url="http://router") as router:
+            return await router.post("/v1/completions", json=body), proxy
+
+    answer, proxy = asyncio.run(main())
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == "decoded"
+    assert seen[-1] == (f"{DECODE}/v1/completions", body)  # the client's own body: it prefills itself
+    assert (proxy.num_prefill_unreachable, proxy.health[PREFILL].consecutive_failures) == (1, 1)
