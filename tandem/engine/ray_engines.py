@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import secrets
@@ -52,6 +53,9 @@ RAY_MAX_RESTARTS = 10  # Ray restarts a dead engine actor this many times (then 
 PLACEMENT_TIMEOUT_S = 120.0  # the cluster must find CPUs for every bundle within this
 JOIN_CONNECT_TIMEOUT_S = 10.0  # a head address must accept a TCP connection within this
 LOAD_TIMEOUT_S = 600.0  # every actor must have loaded its model within this
+LOSS_PROBES = 2  # a lost connection checks the GCS this often before it counts as an actor's death (an ERROR)
+LOSS_PROBE_INTERVAL_S = 1.0
+LOSS_PROBE_TIMEOUT_S = 1.0
 
 
 class RayCoreSupervisor(RemoteCoreSupervisor):
@@ -59,13 +63,40 @@ class RayCoreSupervisor(RemoteCoreSupervisor):
     connection has usually died and been restarted by Ray, so a reconnect to a new process is counted
     (``num_restarts``, ``on_restart``) with the time from the loss to the reconnect (``last_restart_s``).
     A reconnect to the same process (the pid and host of its ``Ready``: an actor starved past the
-    heartbeat timeout on a busy machine, not restarted) is logged but not counted, and its cache is kept."""
+    heartbeat timeout on a busy machine, not restarted) is logged but not counted, and its cache is kept.
+    A lost connection is an ERROR only while the cluster's GCS answers (``_report_loss``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._reports: set[asyncio.Task] = set()
 
     def watch(self) -> None:
-        super().watch()
         engines = getattr(self.start_core, "engines", None)
         if engines is not None and engines.cluster is not None:
             engines.cluster.loop = asyncio.get_running_loop()  # NOTE: where the signal handlers are set again
+            self.client.report_loss = functools.partial(self._report_loss, engines.cluster)
+        super().watch()
+
+    def _report_loss(self, cluster: ClusterWatch, reason: str) -> None:
+        """Logs a lost connection: a WARNING when the cluster's GCS does not answer either (the cluster watch
+        logs the one ERROR for the whole cluster), else an ERROR (an actor died; Ray restarts it)."""
+        if cluster.lost is not None:
+            logger.warning("%s (the Ray cluster is lost)", reason)
+            return
+        task = asyncio.get_running_loop().create_task(self._report_after_probe(cluster, reason))
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    async def _report_after_probe(self, cluster: ClusterWatch, reason: str) -> None:
+        for attempt in range(LOSS_PROBES):
+            why = await asyncio.to_thread(unreachable, cluster.gcs_address, LOSS_PROBE_TIMEOUT_S)
+            if why is not None or cluster.lost is not None:
+                logger.warning("%s; the Ray cluster at %s does not answer either (%s): the cluster watch decides",
+                               reason, cluster.gcs_address, why or "lost")
+                return
+            if attempt + 1 < LOSS_PROBES:
+                await asyncio.sleep(LOSS_PROBE_INTERVAL_S)  # NOTE: the head's processes may die a moment later
+        logger.error("%s", reason)
 
     async def _restart(self) -> None:
         t0, old = time.monotonic(), self.client

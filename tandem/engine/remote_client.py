@@ -75,6 +75,7 @@ class RemoteEngineCoreClient(EngineCoreClient):
         self._monitor: zmq.asyncio.Socket | None = None
         self._watchdog: asyncio.Task | None = None
         self._admitted = False  # NOTE: only an admitted front end says Goodbye (others would be refused again)
+        self.report_loss: Callable[[str], None] | None = None  # logs a loss (None: an ERROR); called on the loop
 
     @classmethod
     def connect(cls, address: str, secret: bytes | None, timeout_s: float = CONNECT_TIMEOUT_S,
@@ -169,7 +170,10 @@ class RemoteEngineCoreClient(EngineCoreClient):
     def lose(self, reason: str) -> None:
         """Marks the core as lost (the watchdog then runs ``on_death``). Idempotent."""
         if not self.loss_reason:
-            logger.error("%s", reason)
+            if self.report_loss is None:
+                logger.error("%s", reason)
+            else:
+                self.report_loss(reason)
             self.loss_reason = reason
 
     def add_requests(self, parent_id: str, requests: list[Request]) -> None:

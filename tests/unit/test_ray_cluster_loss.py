@@ -191,3 +191,39 @@ def test_a_lost_cluster_that_cannot_be_left_in_process_exits_loudly_with_code_1(
     [record] = caplog.records
     assert record.levelno == logging.ERROR and record.getMessage().startswith(LOST + "; leaving the cluster would ")
     assert record.getMessage().endswith("exiting with code 1 for a supervisor to restart the server")
+
+
+def test_a_lost_connection_is_a_warning_while_the_gcs_does_not_answer_either(monkeypatch, caplog):
+    """A head loss is one ERROR (the cluster watch's), not one more per engine connection; a connection lost while
+    the GCS answers (an actor died) stays an ERROR."""
+    monkeypatch.setattr(ray_engines, "LOSS_PROBE_INTERVAL_S", 0.0)
+    attached = []
+    client = types.SimpleNamespace(address="tcp://10.0.0.2:5000", loss_reason="", report_loss=None,
+                                   attach=attached.append)
+
+    def start_core():
+        raise AssertionError("not restarted here")
+
+    async def report(sup, reason: str) -> None:
+        sup.watch()
+        client.report_loss(reason)
+        await asyncio.gather(*sup._reports)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"  # NOTE: refused until it listens
+        start_core.engines = types.SimpleNamespace(cluster=ClusterWatch(FakeRay(), address, rejoin=None))
+        sup = ray_engines.RayCoreSupervisor(client, start_core, CrashLoopGuard(), lambda e: None, lambda new: None)
+        with caplog.at_level(logging.WARNING, logger="tandem.engine.ray_engines"):
+            asyncio.run(report(sup, "the connection to the engine core at tcp://10.0.0.2:5000 was lost"))
+            s.listen()
+            asyncio.run(report(sup, "the connection to the engine core at tcp://10.0.0.3:5000 was lost"))
+            start_core.engines.cluster.lost = LOST
+            asyncio.run(report(sup, "the connection to the engine core at tcp://10.0.0.4:5000 was lost"))
+    assert len(attached) == 3
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", f"the connection to the engine core at tcp://10.0.0.2:5000 was lost; the Ray cluster at {address} "
+                    "does not answer either (ConnectionRefusedError: [Errno 111] Connection refused): the cluster "
+                    "watch decides"),
+        ("ERROR", "the connection to the engine core at tcp://10.0.0.3:5000 was lost"),
+        ("WARNING", "the connection to the engine core at tcp://10.0.0.4:5000 was lost (the Ray cluster is lost)")]
