@@ -35,6 +35,7 @@ RECONNECT_TIMEOUT_S = 2.0  # one reconnection attempt
 RECONNECT_INTERVAL_S = 1.0  # pause between reconnection attempts
 HEARTBEAT_TIMEOUT_S = 30.0  # the core is lost after this long without a message (a step may take seconds)
 RECONNECT_RETRY_AFTER_S = 2.0  # Retry-After of a 503 while the core is unreachable
+RECV_RECHECK_S = 0.25  # the reader looks for a message at least this often (a send can take its wake-up)
 AWAY_RETRY_AFTER_S = 10.0  # Retry-After of a 503 while the core is away for a known reason (EngineCoreAwayError)
 
 RemoteOutput = Ready | AddResult | StepOutputs | CoreFailed | StepFailed | Challenge | Refused | Heartbeat
@@ -211,7 +212,16 @@ class RemoteEngineCoreClient(EngineCoreClient):
         dropped us) becomes ``CoreFailed``."""
         assert self.outputs is not None, "attach() first"
         while True:
-            frame = await self.outputs.recv(copy=False)
+            # NOTE: not ``await self.outputs.recv()``: sends go through the same socket (``inputs``, not the loop's
+            # wrapper), and a send made after a message arrived but before the loop's turn takes ZeroMQ's wake-up
+            # for it: a reader waiting only for the wake-up would not see the message (nor any later one) until
+            # something else woke it, the heartbeat timeout. So it takes what is there and waits at most
+            # ``RECV_RECHECK_S`` for a wake-up before it looks again.
+            try:
+                frame = self.inputs.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                await self.outputs.poll(int(RECV_RECHECK_S * 1000), zmq.POLLIN)
+                continue
             self._last_seen = time.monotonic()
             message = self.decoder.decode(frame.buffer)
             if isinstance(message, Refused):

@@ -312,3 +312,40 @@ def test_a_send_on_a_connection_that_just_dropped_is_the_cores_loss_not_a_full_q
     assert str(error) == f"the connection to the engine core at {address} was lost; reconnecting"
     assert error.retry_after == 2.0
     assert deaths == [f"the connection to the engine core at {address} was lost"]
+
+
+def test_a_message_that_arrives_while_a_send_runs_is_still_read(service):
+    """The core's messages and the front end's sends share one DEALER socket: a send (a heartbeat, a request) made
+    after a message arrived but before the loop's turn takes ZeroMQ's wake-up for it, and a reader that waited
+    only for that wake-up saw nothing more (the first request after a Ray rejoin hung until the 30 s heartbeat
+    timeout). The reader looks again at least every RECV_RECHECK_S."""
+    import zmq
+
+    from tandem.engine.core_proc import AddResult
+    from tandem.engine.remote_client import RemoteEngineCoreClient
+
+    svc, address = service
+    client = RemoteEngineCoreClient.connect(address, SECRET, timeout_s=5)
+    peer = svc.gate.peer
+
+    async def run() -> object:
+        client.attach(lambda: None)
+        reading = asyncio.get_running_loop().create_task(client.get_output())
+        await asyncio.sleep(0.2)  # NOTE: the reader waits for ZeroMQ's wake-up now
+        svc.stopping = True
+        svc.thread.join(5)  # NOTE: the core's loop ends; its socket stays open and sends from here
+        svc.router.send_multipart([peer, svc.encoder.encode(AddResult("r1", 200))])
+        deadline = time.monotonic() + 5  # NOTE: blocking: the loop gets no turn meanwhile
+        while not client.inputs.get(zmq.EVENTS) & zmq.POLLIN:  # the message is there; this took the wake-up
+            assert time.monotonic() < deadline, "the message did not arrive within 5 s"
+            time.sleep(0.01)
+        client._send_heartbeat()
+        try:
+            return await asyncio.wait_for(reading, 5)
+        finally:
+            client.detach()
+
+    try:
+        assert asyncio.run(run()) == AddResult("r1", 200)
+    finally:
+        client.close()
