@@ -2,14 +2,15 @@
 
 Requests accept the OpenAI fields plus vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``request_id``, ``prompt_logprobs``,
-``structured_outputs``, ``return_tokens_as_token_ids``, and on chat ``chat_template_kwargs``: extra
-chat-template variables, e.g. Qwen3's ``enable_thinking``); unknown fields are ignored, as OpenAI and
-vLLM do. Structured output comes from OpenAI's ``response_format`` (``json_object``, ``json_schema``)
-or vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) on
-both endpoints. Fields that Tandem knows but cannot honour (``logit_bias``, ``suffix``, ``best_of``,
-legacy ``functions``, vLLM's older ``guided_*`` fields, and on chat vLLM's ``chat_template``,
-``documents``, ``continue_final_message`` and ``echo``) are refused with a 400 naming the field
-instead of being silently dropped.
+``structured_outputs``, ``return_tokens_as_token_ids``, ``priority``, ``truncate_prompt_tokens``, and on chat
+``chat_template_kwargs``: extra chat-template variables, e.g. Qwen3's ``enable_thinking``); unknown fields are
+ignored, as OpenAI and vLLM do. Structured output comes from OpenAI's ``response_format`` (``json_object``,
+``json_schema``) or vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``,
+``json_object``) on both endpoints. Fields that Tandem knows but cannot honour (``logit_bias``, ``suffix``,
+``best_of``, legacy ``functions``, vLLM's older ``guided_*`` fields, ``cache_salt``, ``prompt_embeds``,
+``vllm_xargs``, ``return_token_ids``, ``continuous_usage_stats``, beam search, and on chat vLLM's
+``chat_template``, ``documents``, ``continue_final_message`` and ``echo``) are refused with a 400 naming the
+field instead of being silently dropped.
 """
 
 from __future__ import annotations
@@ -147,6 +148,8 @@ class SamplingRequest(OpenAIModel):
     # vLLM's admission priority (lower first) under --scheduling-policy priority; other policies refuse a
     # non-zero value (in the engine core, which knows its policy), as vLLM does.
     priority: Annotated[int, Strict(), Field(ge=SEED_MIN, le=SEED_MAX)] = 0
+    # vLLM's: keep only the last k prompt tokens (-1: the context length); ``truncation`` checks it.
+    truncate_prompt_tokens: Annotated[int, Strict(), Field(ge=-1, le=INT32_MAX)] | None = None
     # vLLM's beam search: only its defaults are accepted (Tandem samples; it has no beam search).
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -172,6 +175,25 @@ class SamplingRequest(OpenAIModel):
         if self.length_penalty != 1.0:
             raise SamplingParamsError("length_penalty is not supported (it applies to beam search only)",
                                       "length_penalty")
+
+    def truncation(self, max_model_len: int) -> int | None:
+        """How many prompt tokens to keep, the last ones (vLLM's ``truncate_prompt_tokens``; -1 means
+        ``max_model_len``), or None to keep them all.
+
+        Raises:
+            SamplingParamsError: 0, or more than ``max_model_len`` (vLLM's message).
+        """
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return None
+        if keep == 0:
+            raise SamplingParamsError("truncate_prompt_tokens must be -1 (the context length) or at least 1, got 0",
+                                      "truncate_prompt_tokens")
+        if keep > max_model_len:
+            raise SamplingParamsError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+                                      f"({max_model_len}). Please, select a smaller truncation size.",
+                                      "truncate_prompt_tokens")
+        return max_model_len if keep == -1 else keep
 
     def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str]:
         """The request's constraint and the field it came from (``response_format`` or ``structured_outputs``).

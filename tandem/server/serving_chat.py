@@ -68,6 +68,7 @@ class OpenAIServingChat:
         model = self.model_names.resolve(request.model)
         self.engine.check_available()
         params = request.sampling_params(self.engine.default_sampling_params)
+        keep = request.truncation(self.engine.max_model_len)
         plan = self.tools.plan(request.template_tools(), request.tool_choice, request.parallel_tool_calls)
         if plan.constraint is not None:
             if params.structured_outputs is not None:
@@ -80,6 +81,8 @@ class OpenAIServingChat:
         kind = "delta" if request.stream else "cumulative"
         with self.engine.admitted(params.n):
             text, ids = await self.engine.run_in_tokenizer(self.render, request)
+            if keep is not None and len(ids) > keep:  # vLLM's truncate_prompt_tokens: the last ``keep`` ids
+                text, ids = None, ids[-keep:]
             check_context(self.engine.max_model_len, len(ids), params.max_tokens, "messages")
             streams = await open_streams(self.engine, request_id, [(text, ids)], params, kind, arrival,
                                          request.request_id)

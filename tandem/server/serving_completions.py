@@ -59,16 +59,20 @@ class OpenAIServingCompletion:
             raise PromptError("the prompt is empty")
         return prompt
 
-    def _tokenize(self, prompts: list[Any], echo: bool, logprobs: bool) -> tuple[list[Prompt], list[EchoOffsets]]:
+    def _tokenize(self, prompts: list[Any], echo: bool, logprobs: bool, keep: int | None = None
+                  ) -> tuple[list[Prompt], list[EchoOffsets]]:
         """(text, ids) of each prompt; with ``echo`` the text of a token-id prompt is decoded here too,
         and with ``echo`` and ``logprobs`` a text prompt's token offsets are found (``echo_offsets``).
+        ``keep``: only the last ``keep`` ids of a longer prompt are kept (``truncate_prompt_tokens``); it is
+        then treated as a token-id prompt (its echo is the text of the ids kept).
         Runs in the tokenizer thread. Raises: PromptError."""
         out = [self.engine.tokenize(p) for p in prompts]
+        if keep is not None:
+            out = [(text, ids) if len(ids) <= keep else (None, ids[-keep:]) for text, ids in out]
         offsets: list[EchoOffsets] = [None] * len(out)
         if echo:
             if logprobs:
-                offsets = [None if isinstance(p, list) else echo_offsets(self.tokenizer, t, ids)
-                           for p, (t, ids) in zip(prompts, out, strict=True)]
+                offsets = [None if t is None else echo_offsets(self.tokenizer, t, ids) for t, ids in out]
             out = [(self.engine.decode(ids) if text is None else text, ids) for text, ids in out]
         return out, offsets
 
@@ -85,6 +89,7 @@ class OpenAIServingCompletion:
         model = self.model_names.resolve(request.model)
         self.engine.check_available()
         params = request.sampling_params(self.engine.default_sampling_params)
+        keep = request.truncation(self.engine.max_model_len)
         await check_constraint(params, request.constraint_param)
         given = self._prompt_list(request.prompt)
         if params.kv_transfer_params and len(given) > 1:  # NOTE: its answer has one kv_transfer_params
@@ -95,7 +100,7 @@ class OpenAIServingCompletion:
         kind = "delta" if request.stream else "cumulative"
         with self.engine.admitted(len(given) * params.n):
             prompts, offsets = await self.engine.run_in_tokenizer(self._tokenize, given, request.echo,
-                                                                  params.logprobs is not None)
+                                                                  params.logprobs is not None, keep)
             for _, ids in prompts:
                 check_context(self.engine.max_model_len, len(ids), params.max_tokens, "prompt")
             streams = await open_streams(self.engine, request_id, prompts, params, kind, arrival,

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
-from live_server import CHATML, MODEL, Server
+from live_server import AUTH, CHATML, MODEL, Server
 
 PROMPT = "Once upon a time"
 
@@ -181,3 +182,58 @@ def test_eos_listed_in_stop_token_ids_has_null_stop_reason(eos_server):
         assert out.choices[0].text == plain.choices[0].text and out.usage == plain.usage
         chunks = list(client.completions.create(**kwargs, extra_body=extra, stream=True))
         assert (chunks[-1].choices[0].finish_reason, chunks[-1].choices[0].stop_reason) == ("stop", stop_reason)
+
+
+# ---- truncate_prompt_tokens ----
+def test_completion_truncate_prompt_tokens_keeps_the_last_ids(api_client, case):
+    """vLLM's truncate_prompt_tokens: the last k prompt tokens are the prompt (usage counts them), so the
+    answer is that of the token-id prompt of those k ids; -1 keeps up to the context length."""
+    prompt_ids = case["prompt_token_ids"]
+    kwargs = dict(model=MODEL, max_tokens=8, temperature=0)
+    cut = api_client.completions.create(**kwargs, prompt=PROMPT, extra_body={"truncate_prompt_tokens": 3})
+    same = api_client.completions.create(**kwargs, prompt=prompt_ids[-3:])
+    assert cut.usage.prompt_tokens == same.usage.prompt_tokens == 3
+    assert cut.choices[0].text == same.choices[0].text
+    echoed = api_client.completions.create(**kwargs, prompt=prompt_ids, echo=True,
+                                           extra_body={"truncate_prompt_tokens": 3})
+    assert echoed.choices[0].text == api_client.completions.create(**kwargs, prompt=prompt_ids[-3:],
+                                                                   echo=True).choices[0].text
+    whole = api_client.completions.create(**kwargs, prompt=PROMPT, extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == len(prompt_ids)
+    # A prompt longer than the context (512) fits once cut.
+    long_ids = (prompt_ids * 200)[:600]
+    out = api_client.completions.create(**kwargs, prompt=long_ids, extra_body={"truncate_prompt_tokens": 500})
+    assert out.usage.prompt_tokens == 500
+    assert out.choices[0].text == api_client.completions.create(**kwargs, prompt=long_ids[-500:]).choices[0].text
+
+
+def test_chat_truncate_prompt_tokens_keeps_the_last_ids(api_client, api_server):
+    messages = [{"role": "user", "content": "Tell me a story about a cat"}]
+    ids = httpx.post(f"{api_server.url}/tokenize", json={"model": MODEL, "messages": messages},
+                     headers=AUTH, timeout=30).json()["tokens"]
+    kwargs = dict(model=MODEL, max_tokens=8, temperature=0)
+    cut = api_client.chat.completions.create(**kwargs, messages=messages, extra_body={"truncate_prompt_tokens": 4})
+    same = api_client.completions.create(**kwargs, prompt=ids[-4:])
+    assert cut.usage.prompt_tokens == 4
+    assert cut.choices[0].message.content == same.choices[0].text
+    chunks = list(api_client.chat.completions.create(**kwargs, messages=messages, stream=True,
+                                                     stream_options={"include_usage": True},
+                                                     extra_body={"truncate_prompt_tokens": 4}))
+    assert chunks[-1].usage.prompt_tokens == 4
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == same.choices[0].text
+
+
+@pytest.mark.parametrize("path, value, message", [
+    ("/v1/completions", 0, "truncate_prompt_tokens must be -1 (the context length) or at least 1, got 0"),
+    ("/v1/chat/completions", 513, "truncate_prompt_tokens value (513) is greater than max_model_len (512). "
+                                  "Please, select a smaller truncation size."),
+    ("/v1/completions", -2, "truncate_prompt_tokens: Input should be greater than or equal to -1"),
+    ("/v1/completions", "3", "truncate_prompt_tokens: Input should be a valid integer"),
+])
+def test_bad_truncate_prompt_tokens_is_400(api_server, path, value, message):
+    base = {"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]}
+    r = httpx.post(f"{api_server.url}{path}", json={"model": MODEL, **base, "max_tokens": 2,
+                                                    "truncate_prompt_tokens": value}, headers=AUTH, timeout=30)
+    assert r.status_code == 400
+    assert r.json()["error"] == {"message": message, "type": "invalid_request_error",
+                                 "param": "truncate_prompt_tokens", "code": None}
