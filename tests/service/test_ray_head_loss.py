@@ -88,6 +88,7 @@ def test_server_outlives_its_ray_head_answers_503_and_serves_again_once_it_is_ba
         for p in head:
             p.kill()
         t0 = time.monotonic()
+        early = httpx.post(f"{s.url}/v1/completions", json=BODY, timeout=30)  # NOTE: a lost connection, not 429
         # Past Ray's own timeout (which ended the server before) and the server's check (a third of it).
         while time.monotonic() - t0 < RAY_GCS_TIMEOUT_S + 3:
             assert s.proc.poll() is None, f"the server exited with {s.proc.returncode}:\n{s.log()[-3000:]}"
@@ -108,6 +109,7 @@ def test_server_outlives_its_ray_head_answers_503_and_serves_again_once_it_is_ba
         rejoined = [line for line in s.log().splitlines() if "rejoined the Ray cluster at" in line]
     finally:
         code = s.stop()
+    assert early.status_code == 503 and early.json()["error"]["code"] == "engine_unavailable", early.text
     assert health.status_code == 503
     assert health.json()["error"]["code"] == "engine_unavailable"
     assert r.status_code == 503
