@@ -8,7 +8,7 @@ ignored, as OpenAI and vLLM do. Structured output comes from OpenAI's ``response
 ``json_schema``) or vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``,
 ``json_object``) on both endpoints. Fields that Tandem knows but cannot honour (``logit_bias``, ``suffix``,
 ``best_of``, legacy ``functions``, vLLM's older ``guided_*`` fields, ``cache_salt``, ``prompt_embeds``,
-``vllm_xargs``, ``return_token_ids``, ``continuous_usage_stats``, beam search, and on chat vLLM's
+``vllm_xargs``, ``return_token_ids``, beam search, and on chat vLLM's
 ``chat_template``, ``documents``, ``continue_final_message`` and ``echo``) are refused with a 400 naming the
 field instead of being silently dropped.
 """
@@ -92,7 +92,7 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's usage on every chunk: not honoured, so true is a 400
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage so far
 
 
 class SamplingRequest(OpenAIModel):
@@ -218,6 +218,12 @@ class SamplingRequest(OpenAIModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats`` (with ``include_usage``): usage on every chunk, the prompt's
+        tokens and those of the chunk's choice so far."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
     def to_sampling_params(
         self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None,
         prompt_logprobs: int | None = None,
@@ -232,8 +238,6 @@ class SamplingRequest(OpenAIModel):
         self.refuse_unsupported()
         if self.stream_options is not None and not self.stream:
             raise SamplingParamsError("stream_options is only allowed when stream is true", "stream_options")
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            raise SamplingParamsError("stream_options.continuous_usage_stats is not supported", "stream_options")
         if self.return_token_ids:
             raise SamplingParamsError("return_token_ids is not supported", "return_token_ids")
         changes: dict[str, Any] = {

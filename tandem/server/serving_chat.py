@@ -127,16 +127,24 @@ class OpenAIServingChat:
     ) -> AsyncIterator[str]:
         include_usage = request.include_usage
         completion_tokens = cached_tokens = 0
+        n_prompt = len(stream.prompt_token_ids)
+        choice_tokens = [0] * params.n  # per choice, for continuous_usage_stats
         splitters = [ToolCallStream(plan) for _ in range(params.n)]
+
+        def usage_of(index: int) -> UsageInfo | None:
+            """The usage a chunk of choice ``index`` carries: only with vLLM's continuous_usage_stats."""
+            return UsageInfo.of(n_prompt, choice_tokens[index], cached_tokens) if request.continuous_usage else None
+
         try:
             for index in range(params.n):
                 role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None}
-                yield self._chunk(request_id, created, model, [role], include_usage)
+                yield self._chunk(request_id, created, model, [role], include_usage, usage_of(index))
             async for out in stream:
                 cached_tokens = out.num_cached_tokens
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
+                    choice_tokens[c.index] += len(c.token_ids)
                     logprobs = self._logprobs(request, c, params)
                     # NOTE: one chunk per step with new tokens, even with empty text (as vLLM does).
                     if not c.token_ids and not c.text and c.finish_reason is None:
@@ -149,7 +157,8 @@ class OpenAIServingChat:
                             call_delta = {"content": text + rest} if text + rest else {}
                             call_choice = {"index": c.index, "delta": {**call_delta, "tool_calls": calls},
                                            "logprobs": None, "finish_reason": None}
-                            yield self._chunk(request_id, created, model, [call_choice], include_usage)
+                            yield self._chunk(request_id, created, model, [call_choice], include_usage,
+                                              usage_of(c.index))
                             text, rest = "", ""
                         delta = {"content": text + rest} if text + rest else {}
                         reason = finish_reason(plan, calls, reason)
@@ -158,9 +167,8 @@ class OpenAIServingChat:
                               "finish_reason": reason}
                     if reason is not None:  # NOTE: vLLM's field, on the chunk that ends the choice (as vLLM sends it)
                         choice["stop_reason"] = c.stop_reason
-                    yield self._chunk(request_id, created, model, [choice], include_usage)
+                    yield self._chunk(request_id, created, model, [choice], include_usage, usage_of(c.index))
             if include_usage:
-                n_prompt = len(stream.prompt_token_ids)
                 usage = UsageInfo.of(n_prompt, completion_tokens, cached_tokens)
                 yield self._chunk(request_id, created, model, [], include_usage, usage)
         except (EngineDeadError, EngineRequestError) as e:

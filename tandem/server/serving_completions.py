@@ -170,6 +170,7 @@ class OpenAIServingCompletion:
         prompt_logprobs: dict[int, PromptLogprobs] = {}  # prompt index -> its prompt logprobs (sent once)
         cached: dict[int, int] = {}
         completion_tokens = 0
+        choice_tokens: dict[int, int] = {}  # choice index -> its tokens so far (continuous_usage_stats)
         try:
             async for i, out in merge_streams(streams):
                 cached[i] = out.num_cached_tokens
@@ -180,7 +181,9 @@ class OpenAIServingCompletion:
                     if request.prompt_only and c.finish_reason is None:
                         continue  # NOTE: the answer is the prompt; it goes out once the engine is done
                     first = index not in offsets
-                    completion_tokens += 0 if request.prompt_only else len(c.token_ids)
+                    new_tokens = 0 if request.prompt_only else len(c.token_ids)
+                    completion_tokens += new_tokens
+                    choice_tokens[index] = choice_tokens.get(index, 0) + new_tokens
                     # NOTE: one chunk per step with new tokens, even when their text is empty (special
                     # tokens, held-back stop-string prefixes), as vLLM does, so clients' ITL is comparable.
                     if not first and not c.token_ids and not c.text and c.finish_reason is None:
@@ -190,8 +193,10 @@ class OpenAIServingCompletion:
                                                           prompt_logprobs.get(i) if first else None)
                     if params.logprobs is None:
                         offsets[index] = offsets.get(index, 0) + len(parts[0])
+                    usage = UsageInfo.of(len(prompts[i][1]), choice_tokens[index], cached[i]) \
+                        if request.continuous_usage else None
                     yield sse(CompletionResponse(id=request_id, created=created, model=model,
-                                                 choices=[choice]), exclude)
+                                                 choices=[choice], usage=usage), exclude)
             if request.include_usage:
                 usage = UsageInfo.of(sum(len(ids) for _, ids in prompts), completion_tokens, sum(cached.values()))
                 yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],

@@ -237,3 +237,38 @@ def test_bad_truncate_prompt_tokens_is_400(api_server, path, value, message):
     assert r.status_code == 400
     assert r.json()["error"] == {"message": message, "type": "invalid_request_error",
                                  "param": "truncate_prompt_tokens", "code": None}
+
+
+# ---- stream_options.continuous_usage_stats ----
+def test_completion_continuous_usage_stats(api_client, case):
+    """vLLM's continuous_usage_stats (with include_usage): every chunk carries the prompt's tokens and its
+    choice's tokens so far; the final usage chunk is unchanged. Without include_usage there is no usage."""
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=5, n=2, temperature=0, stream=True,
+                  extra_body={"ignore_eos": True})
+    chunks = list(api_client.completions.create(**kwargs, stream_options={"include_usage": True,
+                                                                          "continuous_usage_stats": True}))
+    n_prompt = len(case["prompt_token_ids"])
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in chunks[:-1]:
+        assert (chunk.usage.prompt_tokens, chunk.usage.total_tokens - chunk.usage.completion_tokens) == (
+            n_prompt, n_prompt)
+        seen[chunk.choices[0].index].append(chunk.usage.completion_tokens)
+    assert seen == {0: [1, 2, 3, 4, 5], 1: [1, 2, 3, 4, 5]}
+    assert chunks[-1].choices == [] and (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (
+        n_prompt, 10)
+    quiet = list(api_client.completions.create(**kwargs, stream_options={"include_usage": False,
+                                                                         "continuous_usage_stats": True}))
+    assert all(c.usage is None for c in quiet) and len(quiet) == len(chunks) - 1
+
+
+def test_chat_continuous_usage_stats(api_client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=4,
+                  temperature=0, stream=True, extra_body={"ignore_eos": True})
+    plain = list(api_client.chat.completions.create(**kwargs, stream_options={"include_usage": True}))
+    chunks = list(api_client.chat.completions.create(**kwargs, stream_options={"include_usage": True,
+                                                                               "continuous_usage_stats": True}))
+    n_prompt = plain[-1].usage.prompt_tokens
+    assert all(c.usage is None for c in plain[:-1])
+    assert [(c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) for c in chunks[:-1]] == [
+        (n_prompt, k, n_prompt + k) for k in range(5)]  # the role chunk, then one token per chunk
+    assert chunks[-1].usage.completion_tokens == plain[-1].usage.completion_tokens == 4
