@@ -8,7 +8,7 @@ ignored, as OpenAI and vLLM do. Structured output comes from OpenAI's ``response
 ``json_schema``) or vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``,
 ``json_object``) on both endpoints. Fields that Tandem knows but cannot honour (``logit_bias``, ``suffix``,
 ``best_of``, legacy ``functions``, vLLM's older ``guided_*`` fields, ``cache_salt``, ``prompt_embeds``,
-``vllm_xargs``, ``return_token_ids``, beam search, and on chat vLLM's
+``vllm_xargs``, beam search, and on chat vLLM's
 ``chat_template``, ``documents``, ``continue_final_message`` and ``echo``) are refused with a 400 naming the
 field instead of being silently dropped.
 """
@@ -138,7 +138,7 @@ class SamplingRequest(OpenAIModel):
     prompt_logprobs: NumLogprobs | None = None
     # vLLM's: logprobs show each token as "token_id:{id}" (tandem/server/logprobs.py)
     return_tokens_as_token_ids: bool | None = None
-    return_token_ids: bool | None = None  # vLLM's prompt_token_ids / token_ids on choices: not honoured (true: 400)
+    return_token_ids: bool | None = None  # vLLM's: prompt_token_ids and token_ids in the answer (not with echo)
     allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None
@@ -238,8 +238,8 @@ class SamplingRequest(OpenAIModel):
         self.refuse_unsupported()
         if self.stream_options is not None and not self.stream:
             raise SamplingParamsError("stream_options is only allowed when stream is true", "stream_options")
-        if self.return_token_ids:
-            raise SamplingParamsError("return_token_ids is not supported", "return_token_ids")
+        if self.return_token_ids and getattr(self, "echo", False):
+            raise SamplingParamsError("return_token_ids is not supported with echo", "return_token_ids")
         changes: dict[str, Any] = {
             "n": self.n, "seed": self.seed, "max_tokens": max_tokens, "min_tokens": self.min_tokens,
             "stop": [] if self.stop is None else self.stop, "stop_token_ids": self.stop_token_ids or [],

@@ -58,6 +58,9 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: StopReason = None
     prompt_logprobs: PromptLogprobsJSON | None = None  # vLLM's extra (request field prompt_logprobs)
+    # vLLM's extras (request field return_token_ids); in a stream token_ids are the chunk's new ids
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class ResponseBase(BaseModel):
@@ -104,12 +107,14 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: StopReason = None
+    token_ids: list[int] | None = None  # vLLM's extra (request field return_token_ids)
 
 
 class ChatCompletionResponse(ResponseBase):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     prompt_logprobs: PromptLogprobsJSON | None = None  # vLLM's extra (request field prompt_logprobs)
+    prompt_token_ids: list[int] | None = None  # vLLM's extra (request field return_token_ids)
 
 
 class ModelCard(BaseModel):

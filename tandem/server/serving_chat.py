@@ -95,7 +95,8 @@ class OpenAIServingChat:
         usage = UsageInfo.of(len(ids), completion_tokens, out.num_cached_tokens)
         response = ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices,
                                           usage=usage, kv_transfer_params=out.kv_transfer_params,
-                                          prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs))
+                                          prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs),
+                                          prompt_token_ids=ids if request.return_token_ids else None)
         return JSONResponse(response.model_dump())
 
     def _logprobs(self, request: ChatCompletionRequest, c: CompletionOutput, params: SamplingParams) -> Any:
@@ -109,14 +110,20 @@ class OpenAIServingChat:
         content, calls = extract_calls(plan, c.text)
         message = ChatResponseMessage(content=content, tool_calls=[call.to_openai() for call in calls])
         return ChatChoice(index=c.index, message=message, logprobs=self._logprobs(request, c, params),
-                          finish_reason=finish_reason(plan, calls, c.finish_reason), stop_reason=c.stop_reason)
+                          finish_reason=finish_reason(plan, calls, c.finish_reason), stop_reason=c.stop_reason,
+                          token_ids=list(c.token_ids) if request.return_token_ids else None)
 
     def _chunk(self, request_id: str, created: int, model: str, choices: list[dict[str, Any]],
-               include_usage: bool, usage: UsageInfo | None = None) -> str:
+               include_usage: bool, usage: UsageInfo | None = None, prompt_token_ids: list[int] | None = None
+               ) -> str:
+        """One ``chat.completion.chunk`` event; ``prompt_token_ids`` (vLLM's return_token_ids) goes on the
+        stream's first chunk."""
         chunk: dict[str, Any] = {
             "id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
             "system_fingerprint": None, "choices": choices,
         }
+        if prompt_token_ids is not None:
+            chunk["prompt_token_ids"] = prompt_token_ids
         if include_usage:
             chunk["usage"] = None if usage is None else usage.model_dump()
         return sse(chunk)
@@ -139,7 +146,8 @@ class OpenAIServingChat:
             for index in range(params.n):
                 role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None}
-                yield self._chunk(request_id, created, model, [role], include_usage, usage_of(index))
+                first_ids = stream.prompt_token_ids if request.return_token_ids and index == 0 else None
+                yield self._chunk(request_id, created, model, [role], include_usage, usage_of(index), first_ids)
             async for out in stream:
                 cached_tokens = out.num_cached_tokens
                 for c in out.outputs:
@@ -167,6 +175,8 @@ class OpenAIServingChat:
                               "finish_reason": reason}
                     if reason is not None:  # NOTE: vLLM's field, on the chunk that ends the choice (as vLLM sends it)
                         choice["stop_reason"] = c.stop_reason
+                    if request.return_token_ids:  # vLLM's: the ids this step added
+                        choice["token_ids"] = list(c.token_ids)
                     yield self._chunk(request_id, created, model, [choice], include_usage, usage_of(c.index))
             if include_usage:
                 usage = UsageInfo.of(n_prompt, completion_tokens, cached_tokens)

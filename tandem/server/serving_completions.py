@@ -143,7 +143,8 @@ class OpenAIServingCompletion:
         shown = prompt_logprobs if request.prompt_logprobs is not None else None  # NOTE: vLLM's field, when asked
         return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason,
                                 stop_reason=None if request.prompt_only else c.stop_reason,
-                                prompt_logprobs=prompt_logprobs_json(shown)), offset
+                                prompt_logprobs=prompt_logprobs_json(shown),
+                                token_ids=list(c.token_ids) if request.return_token_ids else None), offset
 
     def _response(
         self, request: CompletionRequest, request_id: str, created: int, model: str,
@@ -154,6 +155,8 @@ class OpenAIServingCompletion:
             for c in sorted(out.outputs, key=lambda c: c.index):
                 parts = self._choice_parts(request, prompts[i], offsets[i], out.prompt_logprobs, c, True)
                 choice, _ = self._choice(request, i * params.n + c.index, parts, c, params, 0, out.prompt_logprobs)
+                if request.return_token_ids:
+                    choice.prompt_token_ids = prompts[i][1]
                 choices.append(choice)
                 completion_tokens += 0 if request.prompt_only else len(c.token_ids)
         usage = UsageInfo.of(sum(len(ids) for _, ids in prompts), completion_tokens,
@@ -193,6 +196,8 @@ class OpenAIServingCompletion:
                                                           prompt_logprobs.get(i) if first else None)
                     if params.logprobs is None:
                         offsets[index] = offsets.get(index, 0) + len(parts[0])
+                    if request.return_token_ids and first:  # NOTE: as vLLM: on the choice's first chunk only
+                        choice.prompt_token_ids = prompts[i][1]
                     usage = UsageInfo.of(len(prompts[i][1]), choice_tokens[index], cached[i]) \
                         if request.continuous_usage else None
                     yield sse(CompletionResponse(id=request_id, created=created, model=model,

@@ -272,3 +272,34 @@ def test_chat_continuous_usage_stats(api_client):
     assert [(c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens) for c in chunks[:-1]] == [
         (n_prompt, k, n_prompt + k) for k in range(5)]  # the role chunk, then one token per chunk
     assert chunks[-1].usage.completion_tokens == plain[-1].usage.completion_tokens == 4
+
+
+# ---- return_token_ids ----
+def test_completion_return_token_ids(api_client, case):
+    """vLLM's return_token_ids: each choice carries prompt_token_ids and its token_ids (a stream: the
+    prompt's on the choice's first chunk, each chunk's new ids)."""
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"return_token_ids": True})
+    out = api_client.completions.create(**kwargs).choices[0]
+    assert out.prompt_token_ids == case["prompt_token_ids"]
+    assert out.token_ids == case["greedy_token_ids"][:6]
+    plain = api_client.completions.create(**{**kwargs, "extra_body": {}}).choices[0]
+    assert getattr(plain, "token_ids", None) is None and out.text == plain.text
+    chunks = list(api_client.completions.create(**kwargs, stream=True))
+    assert chunks[0].choices[0].prompt_token_ids == case["prompt_token_ids"]
+    assert all(getattr(c.choices[0], "prompt_token_ids", None) is None for c in chunks[1:])
+    assert [i for c in chunks for i in c.choices[0].token_ids] == case["greedy_token_ids"][:6]
+
+
+def test_chat_return_token_ids(api_client, api_server):
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    ids = httpx.post(f"{api_server.url}/tokenize", json={"model": MODEL, "messages": messages},
+                     headers=AUTH, timeout=30).json()["tokens"]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=6, temperature=0, extra_body={"return_token_ids": True})
+    expected = api_client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0,
+                                             extra_body={"return_token_ids": True}).choices[0].token_ids
+    out = api_client.chat.completions.create(**kwargs)
+    assert out.prompt_token_ids == ids and out.choices[0].token_ids == expected and len(expected) == 6
+    chunks = list(api_client.chat.completions.create(**kwargs, stream=True))
+    assert chunks[0].prompt_token_ids == ids
+    assert all(getattr(c, "prompt_token_ids", None) is None for c in chunks[1:])
+    assert [i for c in chunks[1:] for i in c.choices[0].token_ids] == expected
