@@ -7,6 +7,8 @@ its tokenizer (the ids decode, in context, to the returned text)."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import httpx
 import openai
@@ -303,3 +305,56 @@ def test_chat_return_token_ids(api_client, api_server):
     assert chunks[0].prompt_token_ids == ids
     assert all(getattr(c, "prompt_token_ids", None) is None for c in chunks[1:])
     assert [i for c in chunks[1:] for i in c.choices[0].token_ids] == expected
+
+
+# ---- priority ----
+@pytest.fixture(scope="module")
+def priority_server(stories_dir, tmp_path_factory):
+    server = Server(stories_dir, tmp_path_factory.mktemp("priority") / "server.log",
+                    "--scheduling-policy", "priority", "--max-num-seqs", "1")
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_priority_orders_admission_under_the_priority_policy(priority_server):
+    """vLLM's priority reaches the engine: with one sequence at a time, a request of priority -10 that
+    arrives after one of priority 10 (both waiting behind a long one) finishes first."""
+    url = priority_server.url
+    finished: list[str] = []
+    lock = threading.Lock()
+
+    def complete(name: str, priority: int) -> None:
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "priority": priority})
+        assert r.status_code == 200, r.text
+        with lock:
+            finished.append(name)
+
+    def waiting() -> int:
+        return httpx.get(f"{url}/load", timeout=10).json()["waiting"]
+
+    def wait_for(count: int) -> None:
+        deadline = time.monotonic() + 30
+        while waiting() < count:
+            assert time.monotonic() < deadline, "the request never queued"
+            time.sleep(0.002)
+
+    body = {"prompt": PROMPT, "max_tokens": None, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as long_request:
+        lines = long_request.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # it runs: the others must wait
+        threads = [threading.Thread(target=complete, args=("low", 10))]
+        threads[0].start()
+        wait_for(1)
+        threads.append(threading.Thread(target=complete, args=("high", -10)))
+        threads[1].start()
+        wait_for(2)
+        assert httpx.get(f"{url}/load", timeout=10).json()["running"] == 1  # still the long one
+        for _ in lines:
+            pass
+    for thread in threads:
+        thread.join()
+    assert finished == ["high", "low"]
