@@ -49,10 +49,12 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, params: SamplingParams,
-                 prompt_token_ids: Sequence[int] = ()) -> None:
+                 prompt_token_ids: Sequence[int] = (), stop: StopStrings | None = None) -> None:
+        """``stop``: ``params.stop`` prepared (``StopStrings``, read-only), shared by the children of one
+        prompt; made here when None."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
-        self.stop = StopStrings(params.stop)
+        self.stop = stop if stop is not None else StopStrings(params.stop)
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         self.num_output_tokens = 0

@@ -21,7 +21,7 @@ from typing import Literal
 
 from transformers import PreTrainedTokenizerBase
 
-from tandem.engine.detokenizer import IncrementalDetokenizer, standalone_token_text
+from tandem.engine.detokenizer import IncrementalDetokenizer, StopStrings, standalone_token_text
 from tandem.outputs import CompletionOutput, EngineCoreOutput, PositionLogprobs, PromptLogprobs, RequestOutput
 from tandem.sampling_params import SamplingParams
 
@@ -49,7 +49,10 @@ class _ChildState:
         self.params = params
         self.tokenizer = tokenizer
         self.token_text = token_text  # shared cache: token id -> decoded text of that token alone
-        self.detokenizer = IncrementalDetokenizer(tokenizer, params, parent.prompt_token_ids)
+        if parent.stop_strings is None or parent.stop_strings.stops != params.stop:
+            # NOTE: prepared once per prompt: 64 strings of 256 characters take milliseconds to prepare.
+            parent.stop_strings = StopStrings(params.stop)
+        self.detokenizer = IncrementalDetokenizer(tokenizer, params, parent.prompt_token_ids, parent.stop_strings)
         self.token_ids: list[int] = []
         self.logprobs: list[PositionLogprobs] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
@@ -151,6 +154,7 @@ class _ParentState:
         self.prompt_logprobs: PromptLogprobs | None = None  # from the first child that reports them
         self.prompt_logprobs_sent = False  # delta mode: they go out once
         self.kv_transfer_params: dict | None = None
+        self.stop_strings: StopStrings | None = None  # the children's stop strings, prepared (read-only)
 
     @property
     def finished(self) -> bool:
