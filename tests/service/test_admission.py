@@ -154,7 +154,8 @@ def test_ttft_starts_when_the_handler_got_the_request_and_text_is_detokenized_of
     assert response.status_code == 200
     assert json.loads(response.body)["choices"] == [
         {"index": 0, "text": " Once upon", "logprobs": None, "finish_reason": "length", "stop_reason": None,
-         "prompt_logprobs": None}]
+         "prompt_logprobs": None,
+         "prompt_token_ids": None, "token_ids": None}]
     assert len(metrics.ttfts) == 1 and metrics.ttfts[0] >= 0.3
     assert threads and all(name.startswith("tandem-detokenizer") for name in threads)
 
