@@ -25,7 +25,8 @@ import torch
 from tandem.kernels.build import load_extension, selected_variant, unsupported_reason
 
 __all__ = [
-    "available", "backend", "dequantize", "linear_bf16", "moe_bf16", "moe_int4", "moe_int8", "moe_q8_0", "linear_int4",
+    "available", "backend", "dequantize", "linear_bf16", "linear_bf16_packed", "pack_bf16", "packed_rows",
+    "unpack_bf16", "moe_bf16", "moe_int4", "moe_int8", "moe_q8_0", "linear_int4",
     "moe_kquant", "linear_int8", "linear_max_tokens", "paged_attention", "rms_norm", "rotary", "silu_and_mul", "argmax",
     "supports_window_softcap", "unavailable_reason",
 ]
@@ -83,6 +84,70 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         RuntimeError: wrong dtypes or shapes (raised by the kernel).
     """
     return load_extension().linear_bf16(x, weight, bias)
+
+
+PACK_ROWS = 64  # rows per panel of a packed bf16 weight (csrc/linear_bf16_packed.cpp)
+
+
+def _panels(packed: torch.Tensor) -> torch.Tensor:
+    """The ``[P, K / 2, 64, 2]`` panel view of a ``pack_bf16`` weight (its storage beyond ``[N, K]``)."""
+    n, k = packed.shape
+    p = -(-n // PACK_ROWS)
+    return packed.as_strided((p, k // 2, PACK_ROWS, 2), (k * PACK_ROWS, 2 * PACK_ROWS, 2, 1))
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 ``weight [N, K]`` (K even) re-laid out for ``linear_bf16_packed``: panels of 64 rows, each
+    ``[K / 2][64][2]`` (every row's pair of K elements, for each pair in K order), the last panel zero-padded.
+
+    Returns a new bf16 tensor of shape ``[N, K]`` whose storage holds the ``ceil(N / 64)`` panels
+    (``ceil(N / 64) * 64 * K`` elements from its start): only ``linear_bf16_packed``, ``unpack_bf16`` and
+    ``packed_rows`` read it; its elements are not the weight's. Layout of oneDNN's bf16 "VNNI" blocked
+    weights (pairs along K in a 32-bit lane), here 64 columns wide.
+
+    Raises:
+        ValueError: ``weight`` is not 2-D bf16 or K is odd.
+    """
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.shape[1] % 2:
+        raise ValueError(f"pack_bf16: need a 2-D bf16 weight with even K, got {tuple(weight.shape)} {weight.dtype}")
+    n, k = weight.shape
+    p = -(-n // PACK_ROWS)
+    buf = torch.zeros(p * PACK_ROWS * k, dtype=torch.bfloat16)
+    packed = buf[: n * k].view(n, k)
+    panels = _panels(packed)
+    full = n // PACK_ROWS
+    if full:
+        panels[:full].copy_(weight[: full * PACK_ROWS].view(full, PACK_ROWS, k // 2, 2).transpose(1, 2))
+    if n > full * PACK_ROWS:
+        panels[full, :, : n - full * PACK_ROWS].copy_(weight[full * PACK_ROWS:].view(-1, k // 2, 2).transpose(0, 1))
+    return packed
+
+
+def unpack_bf16(packed: torch.Tensor) -> torch.Tensor:
+    """The ``[N, K]`` bf16 weight that ``pack_bf16`` packed (a new contiguous tensor, bit for bit)."""
+    n, k = packed.shape
+    return _panels(packed).transpose(1, 2).reshape(-1, k)[:n].contiguous()
+
+
+def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids [T]`` (int64) of the weight that ``pack_bf16`` packed -> ``[T, K]`` bf16: an embedding
+    lookup in a tied LM head's packed table (``F.embedding``'s values, bit for bit)."""
+    k = packed.shape[1]
+    ids = ids.reshape(-1)
+    return _panels(packed)[ids // PACK_ROWS, :, ids % PACK_ROWS].reshape(ids.shape[0], k)
+
+
+def linear_bf16_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ W[N, K].T (+ bias [N])`` -> ``[M, N]``, all bf16, with ``packed = pack_bf16(W)``.
+
+    avx512_bf16 only (csrc/linear_bf16_packed.cpp): 16 rows x one K pair per ``vdpbf16ps``, each
+    (token, row) value one fp32 chain over the K pairs in order, + bias, rounded to bf16 once: the same
+    bits for any M (batch invariance), ``F.linear`` in fp32 up to the summation order and rounding.
+
+    Raises:
+        RuntimeError: wrong dtypes or shapes, or ``packed`` not from ``pack_bf16`` (raised by the kernel).
+    """
+    return load_extension().linear_bf16_packed(x, packed, bias)
 
 
 def linear_int8(
@@ -430,7 +495,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 # The formats a linear of ``decoder_layer`` may have, in the C++ kernel's numbering (csrc/decoder_layer.cpp);
 # the GGUF K-quants (q5_0, q4_k, q6_k) only in the avx2 build, like their linear kernels.
-LINEAR_KINDS = ("bf16", "int8", "int4", "q8_0", "q4_1", "q5_0", "q4_k", "q6_k")
+LINEAR_KINDS = ("bf16", "int8", "int4", "q8_0", "q4_1", "q5_0", "q4_k", "q6_k", "bf16_packed")
 LayerLinear = tuple[str, torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
 
 
@@ -480,7 +545,8 @@ def decoder_layer(
     is bit-identical to it: ``x [T, hidden]`` bf16 and ``residual`` (None on the first layer: ``x`` is
     then the embeddings) as there; norm weights ``[hidden]``; ``linears`` = qkv (rows ordered q, k, v),
     o, gate_up, down, each ``(format, weight, scale, bias)``: ``"bf16"`` with the weight ``[N, K]`` and no
-    scale, or a ``QuantizedLinear`` format of ``LINEAR_KINDS`` with its ``qweight`` and ``scale``
+    scale, ``"bf16_packed"`` with a ``pack_bf16`` weight and no scale (avx512_bf16), or a ``QuantizedLinear``
+    format of ``LINEAR_KINDS`` with its ``qweight`` and ``scale``
     (``Linear.kernel_linear`` / ``QuantizedLinear.kernel_linear``), or a list of such parts whose outputs are
     concatenated along N (``ConcatLinear.kernel_linear``); or all four already flattened (``FlatLinears``);
     ``cos, sin [T, 1, head_dim]``; caches ``[N, B, KV, D]``; ``meta`` an ``AttentionMetadata``. Requires

@@ -68,8 +68,8 @@ def _avx2_files(suffix: str) -> tuple[str, ...]:
 # compiler use it (every CPU with avx512_bf16 has the other three).
 AVX512_BF16 = Variant(
     name="avx512_bf16",
-    sources=("bindings.cpp", "linear_bf16.cpp", "linear_quant.cpp", "paged_attention.cpp", "elementwise.cpp",
-             "threads.cpp", "decoder_layer.cpp", "avx2/parallel.cpp"),
+    sources=("bindings.cpp", "linear_bf16.cpp", "linear_bf16_packed.cpp", "linear_quant.cpp", "paged_attention.cpp",
+             "elementwise.cpp", "threads.cpp", "decoder_layer.cpp", "avx2/parallel.cpp"),
     headers=("vec.h", "gemm_tile.h", "avx2/parallel.h"),
     cflags=("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
             "-mf16c"),

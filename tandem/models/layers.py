@@ -7,6 +7,7 @@ All layers work on flattened token batches ``[T, ...]`` (no batch dimension).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +80,11 @@ class Linear(nn.Module):
     A fused projection (q/k/v, gate/up) lists its checkpoint sub-modules in ``shard_names`` with
     their row counts in ``output_sizes``; the loader copies each into its row slice, so one GEMM
     replaces several.
+
+    ``pack()`` (``pack_linears``, once the weights are loaded) re-lays a bf16 weight out for the
+    AVX-512 BF16 packed kernel (``kernels.pack_bf16``): the ``weight`` parameter is then gone (the
+    memory is not held twice) and ``packed`` holds it; ``dense_weight()`` gives the ``[N, K]`` weight
+    either way.
     """
 
     def __init__(
@@ -97,10 +103,40 @@ class Linear(nn.Module):
         out = sum(self.output_sizes)
         self.weight = nn.Parameter(torch.empty(out, input_size, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out, dtype=dtype), requires_grad=False) if bias else None
+        self.register_buffer("packed", None, persistent=False)
+
+    def packable(self) -> bool:
+        """Whether ``pack()`` would pack: a bf16 weight with an even K, not packed yet, and the packed
+        kernel runs here (``registry.use("linear_bf16_packed")``: the avx512_bf16 variant)."""
+        w = self._parameters.get("weight")
+        return (self.packed is None and w is not None and w.dtype == torch.bfloat16 and w.dim() == 2
+                and w.shape[1] % 2 == 0 and registry.use("linear_bf16_packed"))
+
+    def pack(self) -> torch.Tensor:
+        """Replace the ``weight`` parameter by ``packed = kernels.pack_bf16(weight)`` (a buffer).
+
+        Returns the packed tensor. Raises ``ValueError`` when not ``packable()``.
+        """
+        if not self.packable():
+            raise ValueError("Linear.pack: needs an unpacked bf16 weight with even K on the avx512_bf16 kernels")
+        packed = kernels.pack_bf16(self.weight.detach())
+        del self.weight
+        self.packed = packed
+        return packed
+
+    def dense_weight(self) -> torch.Tensor:
+        """The ``[N, K]`` weight: the parameter, or (after ``pack()``) a new unpacked copy."""
+        if self.packed is not None:
+            return kernels.unpack_bf16(self.packed)
+        return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: at decode sizes stock bf16 GEMMs read weights at half the memory bandwidth; the
         # streaming kernels read them at the roofline (benchmarks/README.md).
+        if self.packed is not None:
+            if x.dtype == torch.bfloat16 and x.dim() == 2 and registry.use("linear_bf16_packed", tokens=x.shape[0]):
+                return kernels.linear_bf16_packed(x, self.packed, self.bias)
+            return torch_linear(x, self.dense_weight(), self.bias)
         if (x.dtype == torch.bfloat16 and x.dim() == 2 and self.weight.dtype == torch.bfloat16
                 and registry.use("linear_bf16", tokens=x.shape[0])):
             return kernels.linear_bf16(x, self.weight, self.bias)
@@ -108,21 +144,64 @@ class Linear(nn.Module):
 
     def kernel_linear(self, tokens: int) -> tuple[str, torch.Tensor, None, torch.Tensor | None] | None:
         """``(format, weight, scale, bias)`` for ``kernels.decoder_layer`` when ``forward`` over ``tokens``
-        tokens of bf16 activations would call ``kernels.linear_bf16``, else None (``forward`` is then used)."""
+        tokens of bf16 activations would call ``kernels.linear_bf16`` (``"bf16"``) or
+        ``kernels.linear_bf16_packed`` (``"bf16_packed"``), else None (``forward`` is then used)."""
+        if self.packed is not None:
+            if registry.use("linear_bf16_packed", tokens=tokens):
+                return "bf16_packed", self.packed, None, self.bias
+            return None
         if self.weight.dtype == torch.bfloat16 and registry.use("linear_bf16", tokens=tokens):
             return "bf16", self.weight, None, self.bias
         return None
 
 
 class Embedding(nn.Module):
-    """Token embedding: ``forward(ids [T] int64) -> [T, dim]``."""
+    """Token embedding: ``forward(ids [T] int64) -> [T, dim]``.
+
+    When the table is a tied LM head's weight and that head was packed (``pack_linears``), ``weight`` is
+    gone and the rows are read from the head's ``packed`` tensor (``kernels.packed_rows``, the same values).
+    """
 
     def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype), requires_grad=False)
+        self.register_buffer("packed", None, persistent=False)
+
+    def share_packed(self, packed: torch.Tensor) -> None:
+        """Read rows from ``packed`` (a ``kernels.pack_bf16`` of this table) and drop ``weight``."""
+        del self.weight
+        self.packed = packed
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return kernels.packed_rows(self.packed, ids)
         return F.embedding(ids, self.weight)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Pack every ``packable()`` ``Linear`` of ``model`` for the AVX-512 BF16 packed kernel, in place.
+
+    A tied LM head (its weight the embedding's parameter) is packed once and the embedding then reads its
+    rows from the packed table. Nothing changes where the kernel does not run (avx2 / torch backends,
+    float32 or quantized weights), or when ``$TANDEM_PACKED_BF16=0`` (the row-major ``linear_bf16`` kernel
+    then runs: for side-by-side measurements). Returns the number of linears packed.
+    """
+    if os.environ.get("TANDEM_PACKED_BF16", "1") == "0":
+        return 0
+    owners: dict[int, list[Embedding]] = {}
+    for module in model.modules():
+        if isinstance(module, Embedding) and module.packed is None:
+            owners.setdefault(id(module.weight), []).append(module)
+    count = 0
+    for module in list(model.modules()):
+        if not isinstance(module, Linear) or not module.packable():
+            continue
+        tied = owners.get(id(module.weight), [])
+        packed = module.pack()
+        for embedding in tied:
+            embedding.share_packed(packed)
+        count += 1
+    return count
 
 
 class SiluAndMul(nn.Module):

@@ -166,7 +166,7 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         if method not in METHODS:
             raise ValueError(f"quantization must be one of {METHODS}, got {method!r}")
-        weight = linear.weight.detach()
+        weight = linear.dense_weight().detach()
         self.output_sizes, self.shard_names = linear.output_sizes, linear.shard_names
         self.in_features = weight.shape[1]
         self.method = "int4" if method == "int4" and self.in_features % GROUP == 0 else "int8"

@@ -23,6 +23,7 @@ from tandem.attention import AttentionMetadata
 from tandem.config import ConfigError
 from tandem.kv_cache.storage import bytes_per_block, kv_cache_shape
 from tandem.models.hf_config import HFModelConfig, load_hf_config
+from tandem.models.layers import pack_linears
 from tandem.models.llama import KVCache, LlamaForCausalLM
 from tandem.models.loader import load_model
 from tandem.spec_decode.proposer import Proposal, ProposeRow, choose_tokens
@@ -74,6 +75,7 @@ class DraftModel:
             logger.warning("the draft model was trained for %d positions, fewer than the context %d; "
                            "acceptance may drop on long sequences", hf.max_position_embeddings, max_model_len)
         model = load_model(Path(model_dir), hf, dtype, max_model_len, progress=False)
+        pack_linears(model)
         return cls(model, hf, block_size, vocab_size, max_model_len)
 
     def kv_cache_bytes_per_block(self) -> int:

@@ -23,6 +23,7 @@ from tandem.config import ConfigError, EngineConfig
 from tandem.kernels import registry
 from tandem.kv_cache.hashing import salted_root
 from tandem.models.hf_config import HFModelConfig, load_hf_config
+from tandem.models.layers import pack_linears
 from tandem.models.llama import KVCache
 from tandem.models.loader import DTYPES, load_model
 from tandem.models.quant import quantize_model
@@ -127,6 +128,8 @@ class ModelRunner(RunnerKVCache):
         if engine_config.model.quantization is not None:
             # NOTE: after the proposer, so that a self-quantized draft starts from the float weights.
             quantize_model(self.model, engine_config.model.quantization)
+        # NOTE: last, once every module is final (a self-quantized draft was copied from the float weights).
+        pack_linears(self.model)
         self.states: dict[str, SamplingState] = {}
         self.grammars = GrammarCompiler(lambda: _load_tokenizer(model_dir), self.hf_config.vocab_size)
         self._pending_grammars: dict[str, Future[Grammar]] = {}

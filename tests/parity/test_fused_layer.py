@@ -68,9 +68,10 @@ def run_both(model, runner: ModelRunner, monkeypatch: pytest.MonkeyPatch):  # no
 
 def gguf_codes(linear: Linear, method: str) -> QuantizedLinear:
     """A ``method`` (q8_0 / q4_1) layer holding the nearest GGUF codes of a float ``Linear``'s weight."""
-    w = linear.weight.detach().float()
+    dense = linear.dense_weight().detach()  # packed for the avx512_bf16 kernel after load (pack_linears)
+    w = dense.float()
     n, k = w.shape
-    layer = QuantizedLinear.empty(method, k, linear.output_sizes, linear.bias is not None, linear.weight.dtype,
+    layer = QuantizedLinear.empty(method, k, linear.output_sizes, linear.bias is not None, dense.dtype,
                                   linear.shard_names)
     blocks = w.view(n, k // 32, 32)
     if method == "q8_0":
@@ -217,7 +218,7 @@ def q4_k_m_layers(model) -> None:  # noqa: ANN001
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-        hidden, bias = attn.o_proj.weight.shape[0], attn.qkv_proj.bias is not None
+        hidden, bias = sum(attn.o_proj.output_sizes), attn.qkv_proj.bias is not None
         qk = random_codes("q5_0", hidden, [q, kv], bias, g)
         attn.qkv_proj = ConcatLinear([qk, random_codes("q8_0", hidden, [kv], bias, g)])
         attn.o_proj = random_codes("q5_0", q, [hidden], False, g)

@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 at::Tensor linear_bf16(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
+at::Tensor linear_bf16_packed(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache,
                      at::Tensor v_cache, at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
                      at::Tensor query_start_loc, double scale, int64_t max_query_len);
@@ -29,6 +30,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "y = x @ w.T (+ bias), bf16, AVX-512 BF16", py::arg("x"), py::arg("w"),
         py::arg("bias") = py::none());
+  m.def("linear_bf16_packed", &linear_bf16_packed, "y = x @ w.T (+ bias), bf16, w packed by pack_bf16",
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("linear_int8", &linear_int8, "y = x @ (q * scale).T (+ bias), int8 per-channel weights", py::arg("x"),
         py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none());
   m.def("linear_int4", &linear_int4, "y = x @ (q * scale).T (+ bias), int4 group-32 weights", py::arg("x"),
