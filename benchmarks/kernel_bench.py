@@ -1,6 +1,7 @@
 """Linear kernels side by side in one run: every compiled variant the CPU runs vs PyTorch.
 
-For each format (bf16, int8, int4 = Q4_0, q8_0, q4_1) and token count M (1: decode, memory-bound,
+For each format (bf16, int8, int4 = Q4_0, q8_0, q4_1; bf16 also as the packed weight of
+``kernels.pack_bf16`` where a variant has ``linear_bf16_packed``) and token count M (1: decode, memory-bound,
 printed as GB/s of weight bytes read; 16 and 512: GFLOP/s), times the kernel of each variant, the old
 PyTorch path (``F.linear`` on bf16 weights, or the Python dequantization + ``F.linear``), and
 ``torch.mm`` in float32 on the same shape (this CPU's fp32 matmul rate, the prefill yardstick).
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels import build
+from tandem.kernels import build, pack_bf16
 from tandem.models import quant
 
 
@@ -81,6 +82,9 @@ def contenders(fmt: str, tensors: tuple[torch.Tensor, ...], x: torch.Tensor,
         if hasattr(module, OPS[fmt]):
             fn = getattr(module, OPS[fmt])
             out[name] = lambda fn=fn: fn(x, *tensors)
+        if fmt == "bf16" and hasattr(module, "linear_bf16_packed"):  # the weight packed at load (pack_linears)
+            fn, packed = module.linear_bf16_packed, pack_bf16(tensors[0])
+            out[f"{name} packed"] = lambda fn=fn, packed=packed: fn(x, packed)
     if fmt == "bf16":
         out["torch F.linear bf16"] = lambda: F.linear(x, tensors[0])
     else:

@@ -25,9 +25,10 @@ from torch.profiler import ProfilerActivity, profile, record_function
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checkpoints import SHAPES, make_checkpoint  # noqa: E402
 
-KERNELS = ("linear_bf16", "linear_int8", "linear_int4", "linear_q8_0", "linear_q4_1", "linear_q5_0", "linear_q4_k",
-           "linear_q6_k", "paged_attention", "rms_norm", "rotary", "silu_and_mul", "fused_add_rms_norm", "rotary_",
-           "decoder_layer", "moe_bf16", "moe_int8", "moe_int4", "moe_q8_0", "moe_kquant")
+KERNELS = ("linear_bf16", "linear_bf16_packed", "linear_int8", "linear_int4", "linear_q8_0", "linear_q4_1",
+           "linear_q5_0", "linear_q4_k", "linear_q6_k", "paged_attention", "rms_norm", "rotary", "silu_and_mul",
+           "fused_add_rms_norm", "rotary_", "decoder_layer", "moe_bf16", "moe_int8", "moe_int4", "moe_q8_0",
+           "moe_kquant")
 CATEGORIES = {
     "linear": ("tandem::linear", "aten::linear", "aten::addmm", "aten::mm", "aten::matmul"),
     "MoE experts (one call per layer)": ("tandem::moe",),
