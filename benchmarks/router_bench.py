@@ -6,7 +6,7 @@ Usage:
         [--concurrency 4,8,16] [--policies round-robin,least-load,kv-aware] [--kv-events]
         [--workloads shared,random] [--single-on shared,random]
         [--long-prefill-token-threshold 256] [--max-long-partial-prefills 1] [--scheduling-policy lpm]
-        [--work-dir DIR] [--json FILE]
+        [--kv-cache-gib 1.0] [--single-kv-cache-gib 2.0] [--work-dir DIR] [--json FILE]
 
 Starts three ``tandem serve`` processes of ``--model`` (default: the default model): engines A and B
 with one thread each, pinned to cores 0 and 1, and engine S with two threads on cores 0-1; and one
@@ -16,7 +16,11 @@ with one thread each, pinned to cores 0 and 1, and engine S with two threads on 
 so a prefix hit samples within a step or two instead of waiting behind every 1,000-token prompt's chunks,
 and ``--scheduling-policy`` lpm (longest prefix-cache hit first); ``0 0 fcfs`` gives vLLM's (one step
 then takes up to 2,048 tokens, about 30 s on one core of this model). S is measured directly (no router).
-Everything is stopped at the end (process groups, SIGTERM then SIGKILL).
+Everything is stopped at the end (process groups, SIGTERM then SIGKILL). A and B get ``--kv-cache-gib``
+each and S the pair's total (``--single-kv-cache-gib``, default twice that): with a cache that holds only
+some of the system prompts per engine (the default model's KV is about 23 KB per token: 0.12 GiB holds
+about 5 of 8 1,000-token prompts), round-robin makes each engine cycle through all of them and evict,
+where kv-aware keeps each prompt on one engine.
 
 Workloads (each run draws fresh random prompts, so no run finds another's blocks in a cache):
 - ``shared``: ``--num-system-prompts`` random system prompts of exactly ``--system-tokens`` tokens,
@@ -98,11 +102,11 @@ class Proc:
         self._log.close()
 
 
-def serve(name: str, args: argparse.Namespace, work: Path, threads: int, cores: str) -> Proc:
+def serve(name: str, args: argparse.Namespace, work: Path, threads: int, cores: str, kv_gib: float) -> Proc:
     port = free_port()
     cmd = [sys.executable, "-m", "tandem.cli", "--log-level", "INFO", "serve", "--served-model-name", SERVED,
            "--port", str(port), "--num-threads", str(threads), "--cpu-bind", cores,
-           "--kv-cache-gib", str(args.kv_cache_gib), "--max-queue-len", "4096",
+           "--kv-cache-gib", str(kv_gib), "--max-queue-len", "4096",
            "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
            "--max-long-partial-prefills", str(args.max_long_partial_prefills),
            "--scheduling-policy", args.scheduling_policy]
@@ -199,7 +203,9 @@ def main() -> int:
     p.add_argument("--workloads", default="shared,random")
     p.add_argument("--single-on", default=None,
                    help="the workloads engine S runs too (default: all; the goals use S on shared only)")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache of each of engines A and B (GiB)")
+    p.add_argument("--single-kv-cache-gib", type=float, default=None,
+                   help="engine S's KV cache (GiB; default: twice --kv-cache-gib, the pair's total)")
     cpu = CPU_SERVE_SCHEDULING
     p.add_argument("--long-prefill-token-threshold", type=int, default=cpu.long_prefill_token_threshold,
                    help="every engine's prefill chunk cap (tokens; 0 = the step budget)")
@@ -219,8 +225,10 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     print(f"load average at start: {os.getloadavg()}; logs in {work}", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # NOTE: `kill` of the bench stops its servers too
-    a, b, single = serve("engine-a", args, work, 1, "0"), serve("engine-b", args, work, 1, "1"), \
-        serve("engine-single", args, work, 2, "0-1")
+    single_gib = args.single_kv_cache_gib if args.single_kv_cache_gib is not None else 2 * args.kv_cache_gib
+    a = serve("engine-a", args, work, 1, "0", args.kv_cache_gib)
+    b = serve("engine-b", args, work, 1, "1", args.kv_cache_gib)
+    single = serve("engine-single", args, work, 2, "0-1", single_gib)
     procs = [a, b, single]
     try:
         for e in procs:
