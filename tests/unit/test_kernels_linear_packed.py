@@ -123,6 +123,11 @@ class Tied(torch.nn.Module):
             p.copy_(torch.randn(p.shape, generator=g).bfloat16())
 
 
+PACKING = pytest.mark.skipif(not registry.use("linear_bf16_packed"),
+                             reason="the selected kernel backend is not avx512_bf16: nothing packs")
+
+
+@PACKING
 def test_pack_linears_keeps_values_and_frees_the_dense_weights() -> None:
     torch.manual_seed(0)
     model = Tied(100, 32)
@@ -152,6 +157,7 @@ def test_pack_linears_leaves_float32_and_disabled_alone(monkeypatch: pytest.Monk
     assert pack_linears(model) == 0 and model.proj.packed is None and model.proj.kernel_linear(4)[0] == "bf16"
 
 
+@PACKING
 def test_packed_linear_falls_back_to_torch_off_the_avx512_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """A packed layer still gives F.linear's values when the registry no longer picks the packed kernel."""
     model = Tied(64, 32)
