@@ -164,7 +164,7 @@ class RouterService:
         self.metrics = RouterMetrics([b.state for b in self.backends])
         tokenizer = self._tokenizer if self._tokenizer is not None else await self._load_tokenizer()
         reader = PromptReader(tokenizer, block_size, router_chat_template(cfg))
-        self.router = Router(cfg, self.backends, make_policy(cfg.policy, cfg.beta), reader, self.client,
+        self.router = Router(cfg, self.backends, make_policy(cfg.policy, cfg.beta, cfg.min_match), reader, self.client,
                              self.metrics)
         self._health_task = asyncio.get_running_loop().create_task(self._health_loop(), name="router-health")
         logger.info("router: %d backends, policy %s, block size %d, tokenizer %s", len(self.backends), cfg.policy,

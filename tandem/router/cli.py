@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from tandem.router.config import RouterConfig
-from tandem.router.policy import DEFAULT_BETA, DEFAULT_POLICY, POLICIES
+from tandem.router.policy import DEFAULT_BETA, DEFAULT_MIN_MATCH, DEFAULT_POLICY, POLICIES
 
 
 def _kv_events_pair(text: str) -> tuple[str, str]:
@@ -37,6 +37,9 @@ def add_router_parser(sub) -> argparse.ArgumentParser:
                    help=f"routing policy (default {DEFAULT_POLICY})")
     r.add_argument("--kv-beta", type=float, default=DEFAULT_BETA,
                    help=f"kv-aware: weight of the relative load against the cached fraction (default {DEFAULT_BETA})")
+    r.add_argument("--kv-min-match", type=float, default=DEFAULT_MIN_MATCH, metavar="FRACTION",
+                   help="kv-aware: a backend's cached fraction of the prompt below this counts as 0, so a "
+                        f"small match does not outweigh load (0-1; default {DEFAULT_MIN_MATCH})")
     r.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="the backends' tokenizer (folder or .gguf; default: the first backend's /v1/models root "
                         "when it is a local path; kv-aware needs one)")
@@ -72,7 +75,8 @@ def add_router_parser(sub) -> argparse.ArgumentParser:
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
     """The frozen RouterConfig of the parsed flags (validation happens in the dataclass)."""
     return RouterConfig(
-        backends=tuple(args.backend), policy=args.policy, beta=args.kv_beta, tokenizer=args.tokenizer,
+        backends=tuple(args.backend), policy=args.policy, beta=args.kv_beta, min_match=args.kv_min_match,
+        tokenizer=args.tokenizer,
         chat_template=args.chat_template, block_size=args.block_size, kv_events=tuple(args.kv_events),
         max_outstanding_per_backend=args.max_outstanding_per_backend, health_interval_s=args.health_interval,
         failure_threshold=args.failure_threshold, eject_s=args.eject_seconds, max_eject_s=args.max_eject_seconds,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from tandem.config import ConfigError
-from tandem.router.policy import DEFAULT_BETA, DEFAULT_POLICY, POLICIES
+from tandem.router.policy import DEFAULT_BETA, DEFAULT_MIN_MATCH, DEFAULT_POLICY, POLICIES
 
 
 def _check_url(url: str) -> str:
@@ -24,6 +24,7 @@ class RouterConfig:
     Attributes:
         backends: base URLs of OpenAI-compatible servers (without ``/v1``).
         policy / beta: the routing policy (``policy.POLICIES``) and kv-aware's load weight.
+        min_match: kv-aware's smallest cached fraction that counts (``policy.KVAwarePolicy``).
         tokenizer: a local tokenizer folder or ``.gguf`` (None: the first backend's ``/v1/models``
             ``root`` when it is a local path); required by ``kv-aware``.
         chat_template: a Jinja template (text) for chat prompts, as the backends were given.
@@ -48,12 +49,13 @@ class RouterConfig:
 
     Raises (on creation):
         ConfigError: no backend, a malformed URL, an unknown policy, or a bound out of range (NaN and
-            infinite times or beta included).
+            infinite times or beta included, min_match outside [0, 1]).
     """
 
     backends: tuple[str, ...]
     policy: str = DEFAULT_POLICY
     beta: float = DEFAULT_BETA
+    min_match: float = DEFAULT_MIN_MATCH
     tokenizer: str | None = None
     chat_template: str | None = None
     block_size: int | None = None
@@ -82,6 +84,8 @@ class RouterConfig:
             raise ConfigError(f"unknown routing policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if not (math.isfinite(self.beta) and self.beta >= 0):
             raise ConfigError(f"--kv-beta must be a finite number >= 0, got {self.beta}")
+        if not 0 <= self.min_match <= 1:
+            raise ConfigError(f"--kv-min-match must be in 0-1, got {self.min_match}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be in 0-65535, got {self.port}")
         events = tuple((_check_url(u), e) for u, e in self.kv_events)

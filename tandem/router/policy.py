@@ -8,7 +8,8 @@ The interface, shared by the standalone ``tandem router`` and ``tandem serve -dp
   none), ``probation`` (half-open after an ejection: one request at a time) and ``index`` (a
   ``kv_index.BlockIndex``: ``EventBlockIndex`` when the backend publishes KV events, else
   ``ApproxBlockIndex``).
-- ``make_policy(name, beta=...)`` -> ``RoundRobinPolicy`` | ``LeastLoadPolicy`` | ``KVAwarePolicy``.
+- ``make_policy(name, beta=..., min_match=...)`` -> ``RoundRobinPolicy`` | ``LeastLoadPolicy`` |
+  ``KVAwarePolicy``.
 - ``policy.choose(prompt_block_hashes, backends, exclude=(), retry=False) -> BackendState``: picks
   among the *eligible* backends (healthy, not full, not excluded: ``eligible``). No state changes
   except the round-robin cursor (not moved by a ``retry``). Raises ``NoHealthyBackendError`` when none is healthy and
@@ -22,13 +23,17 @@ Policies:
 
 - ``round-robin``: the next eligible backend in a fixed cycle.
 - ``least-load``: fewest ``outstanding_tokens`` (ties: fewest requests, then list order).
-- ``kv-aware`` (default): ``score = matched / len(prompt_block_hashes) - beta * load / max_load``,
-  where ``matched`` is ``index.match(prompt_block_hashes)`` (leading blocks cached there) and
-  ``load / max_load`` is the backend's outstanding tokens relative to the busiest eligible backend
-  (0 when all are idle). Highest score wins; ties go to the least loaded. With ``beta < 1`` a full
-  prefix hit outweighs any load difference, so requests sharing a prefix stay together while
-  prompts without a hit spread by load. After SGLang's cache-aware router and the KV-event router
-  of NVIDIA Dynamo / vLLM's production stack (which score overlap minus load the same way).
+- ``kv-aware`` (default): ``score = cached - beta * load / max_load``, where ``cached`` is
+  ``matched / len(prompt_block_hashes)`` (``matched`` = ``index.match(prompt_block_hashes)``, the
+  leading blocks cached there), counted as 0 when it is below ``min_match``, and ``load / max_load``
+  is the backend's outstanding tokens relative to the busiest eligible backend (0 when all are
+  idle). Highest score wins; ties go to the least loaded. With ``beta < 1`` a full prefix hit
+  outweighs any load difference, so requests sharing a prefix stay together while prompts without
+  a hit spread by load. ``min_match`` (default 0.3) keeps a small match (a chat template's first
+  block, a few blocks left after evictions) from pulling a prompt to the busier backend: such a
+  prompt is routed by load alone, as ``least-load`` would. After SGLang's cache-aware router (its
+  ``cache_threshold``, also 0.3 there) and the KV-event router of NVIDIA Dynamo / vLLM's
+  production stack (which score overlap minus load the same way).
 
 Not thread-safe: one asyncio loop calls everything.
 """
@@ -43,6 +48,7 @@ from tandem.router.kv_index import ApproxBlockIndex, BlockIndex
 POLICIES = ("round-robin", "least-load", "kv-aware")
 DEFAULT_POLICY = "kv-aware"
 DEFAULT_BETA = 0.5
+DEFAULT_MIN_MATCH = 0.3
 
 
 class NoBackendError(Exception):
@@ -208,16 +214,23 @@ class LeastLoadPolicy(Policy):
 class KVAwarePolicy(Policy):
     """Cached fraction of the prompt minus ``beta`` times relative load (see the module docstring).
 
+    Args:
+        beta: weight of the relative load (>= 0).
+        min_match: a cached fraction below this counts as 0 (in [0, 1]; 0 counts every match).
+
     Raises:
-        ValueError: ``beta < 0``.
+        ValueError: ``beta < 0`` or ``min_match`` outside [0, 1].
     """
 
     name = "kv-aware"
 
-    def __init__(self, beta: float = DEFAULT_BETA) -> None:
-        if beta < 0:
+    def __init__(self, beta: float = DEFAULT_BETA, min_match: float = DEFAULT_MIN_MATCH) -> None:
+        if not beta >= 0:
             raise ValueError(f"beta must be >= 0, got {beta}")
+        if not 0 <= min_match <= 1:
+            raise ValueError(f"min_match must be in [0, 1], got {min_match}")
         self.beta = beta
+        self.min_match = min_match
 
     def scores(self, prompt_block_hashes: Sequence[int], candidates: Sequence[BackendState]) -> list[float]:
         """Each candidate's score, in order. No state changes."""
@@ -226,6 +239,8 @@ class KVAwarePolicy(Policy):
         out = []
         for b in candidates:
             cached = b.index.match(prompt_block_hashes) / n if n else 0.0
+            if cached < self.min_match:
+                cached = 0.0
             load = b.outstanding_tokens / max_load if max_load > 0 else 0.0
             out.append(cached - self.beta * load)
         return out
@@ -236,16 +251,17 @@ class KVAwarePolicy(Policy):
         return candidates[best]
 
 
-def make_policy(name: str = DEFAULT_POLICY, beta: float = DEFAULT_BETA) -> Policy:
-    """The policy called ``name`` (one of ``POLICIES``).
+def make_policy(name: str = DEFAULT_POLICY, beta: float = DEFAULT_BETA,
+                min_match: float = DEFAULT_MIN_MATCH) -> Policy:
+    """The policy called ``name`` (one of ``POLICIES``); ``beta`` and ``min_match``: see ``KVAwarePolicy``.
 
     Raises:
-        ValueError: an unknown name or a negative ``beta``.
+        ValueError: an unknown name, a negative ``beta`` or ``min_match`` outside [0, 1].
     """
     if name == "round-robin":
         return RoundRobinPolicy()
     if name == "least-load":
         return LeastLoadPolicy()
     if name == "kv-aware":
-        return KVAwarePolicy(beta)
+        return KVAwarePolicy(beta, min_match)
     raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}")

@@ -19,6 +19,8 @@ NO_WAIT = ("--backend", "http://a:1", "--backend-startup-timeout", "0")  # a fai
     (["router", "--backend", "http://a:1", "--max-outstanding-per-backend", "0"],
      "max_outstanding_per_backend must be >= 1, got 0"),
     (["router", *NO_WAIT, "--kv-beta", "nan"], "--kv-beta must be a finite number >= 0, got nan"),
+    (["router", *NO_WAIT, "--kv-min-match", "1.5"], "--kv-min-match must be in 0-1, got 1.5"),
+    (["router", *NO_WAIT, "--kv-min-match", "nan"], "--kv-min-match must be in 0-1, got nan"),
     (["router", *NO_WAIT, "--health-interval", "inf"], "health_interval_s must be a finite number > 0, got inf"),
     (["router", *NO_WAIT, "--eject-seconds", "1", "--max-eject-seconds", "inf"],
      "max_eject_s must be a finite number > 0, got inf"),

@@ -81,14 +81,32 @@ def test_kv_aware_counts_only_the_leading_run_of_blocks():
     bs[0].index.apply(0, _batch(_stored(PROMPT[1:])))  # everything but block 0: no usable prefix
     bs[1].index.apply(0, _batch(_stored(PROMPT[:1])))
     assert bs[0].index.match(PROMPT) == 0 and bs[1].index.match(PROMPT) == 1
-    assert make_policy("kv-aware").choose(PROMPT, bs).name == "b1"
+    assert make_policy("kv-aware", min_match=0.0).choose(PROMPT, bs).name == "b1"
+
+
+def test_a_match_below_min_match_counts_as_none_and_load_decides():
+    bs = _backends(2)
+    bs[0].index.apply(0, _batch(_stored(PROMPT[:1])))  # 1 of 5 blocks (0.2): a chat template's first block
+    bs[0].outstanding_tokens = 110
+    bs[1].outstanding_tokens = 100
+    default = make_policy("kv-aware")  # min_match 0.3, beta 0.5
+    assert default.scores(PROMPT, bs) == pytest.approx([-0.5, -0.5 * 100 / 110])
+    assert default.choose(PROMPT, bs).name == "b1"  # what least-load picks
+    assert make_policy("least-load").choose(PROMPT, bs).name == "b1"
+    # without the threshold the 0.2 match outweighs the 9% load difference
+    assert make_policy("kv-aware", min_match=0.0).choose(PROMPT, bs).name == "b0"
+    # at or above the threshold the match counts again: 2 of 5 blocks = 0.4
+    bs[0].index.apply(1, _batch(_stored(PROMPT[1:2])))
+    assert default.scores(PROMPT, bs) == pytest.approx([0.4 - 0.5, -0.5 * 100 / 110])
+    assert default.choose(PROMPT, bs).name == "b0"
+    assert make_policy("kv-aware", min_match=0.5).choose(PROMPT, bs).name == "b1"
 
 
 def test_eviction_events_lower_the_score():
     bs = _backends(2)
     bs[0].index.apply(0, _batch(_stored(PROMPT)))
     bs[1].index.apply(0, _batch(_stored(PROMPT[:2])))
-    p = make_policy("kv-aware")
+    p = make_policy("kv-aware", min_match=0.0)
     assert p.scores(PROMPT, bs) == [1.0, 0.4]
     bs[0].index.apply(1, _batch(BlockRemoved(block_hashes=[hash_to_bytes(PROMPT[1])])))
     assert p.scores(PROMPT, bs) == [0.2, 0.4]
@@ -175,3 +193,6 @@ def test_no_backend_errors_say_why():
         make_policy("random")
     with pytest.raises(ValueError, match="beta"):
         make_policy("kv-aware", beta=-1)
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="min_match"):
+            make_policy("kv-aware", min_match=bad)
