@@ -43,8 +43,7 @@ from tandem.server.errors import http_exception_response
 logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16  # CacheConfig.block_size
-NO_TOKENIZER = ("the kv-aware policy needs the backends' tokenizer: pass --tokenizer PATH (no backend's "
-                "/v1/models names a local folder)")
+NO_TOKENIZER = "the kv-aware policy needs the backends' tokenizer: pass --tokenizer PATH"
 
 
 def _models_root(url: str, timeout_s: float) -> tuple[bool, Any]:
@@ -73,6 +72,7 @@ def with_default_tokenizer(config: RouterConfig, clock=time.monotonic, sleep=tim
         return config
     deadline = clock() + (config.backend_startup_timeout_s if config.policy == "kv-aware" else 0.0)
     said = False
+    why = f"no backend answered GET /v1/models within {config.backend_startup_timeout_s:g} s"
     while True:
         for url in config.backends:
             answered, root = _models_root(url, config.connect_timeout_s)
@@ -81,6 +81,7 @@ def with_default_tokenizer(config: RouterConfig, clock=time.monotonic, sleep=tim
             if isinstance(root, str) and os.path.exists(root):
                 return dataclasses.replace(config, tokenizer=root)
             deadline = 0.0  # a backend answered without a local tokenizer path: waiting will not help
+            why = f"{url}/v1/models names no local folder (its model root: {root!r})"
             break
         if clock() >= deadline:
             break
@@ -90,7 +91,7 @@ def with_default_tokenizer(config: RouterConfig, clock=time.monotonic, sleep=tim
             said = True
         sleep(1.0)
     if config.policy == "kv-aware":
-        raise ConfigError(NO_TOKENIZER)
+        raise ConfigError(f"{NO_TOKENIZER} ({why})")
     return config
 
 

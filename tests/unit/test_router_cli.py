@@ -32,7 +32,8 @@ NO_WAIT = ("--backend", "http://a:1", "--backend-startup-timeout", "0")  # a fai
      "--chat-template '/nonexistent.jinja' is neither an existing file nor a Jinja template"),
     # nothing listens on port 1: no /v1/models names a tokenizer, and kv-aware needs one
     (["router", "--backend", "http://127.0.0.1:1", "--connect-timeout", "0.5", "--backend-startup-timeout", "0"],
-     "the kv-aware policy needs the backends' tokenizer: pass --tokenizer PATH"),
+     "the kv-aware policy needs the backends' tokenizer: pass --tokenizer PATH (no backend answered GET "
+     "/v1/models within 0 s)"),
 ])
 def test_bad_router_settings_exit_2_with_the_reason(argv, message, capsys):
     assert main(argv) == 2
@@ -86,10 +87,29 @@ def test_kv_aware_waits_for_a_loading_backend_to_name_its_tokenizer(tmp_path, ca
         starter.join()
     assert config.tokenizer == str(tmp_path)
     assert capsys.readouterr().err.count("tandem router: waiting up to 60 s for a backend") == 1
-    with pytest.raises(ConfigError, match="needs the backends' tokenizer"):  # and gives up at the deadline
+    # and gives up at the deadline
+    with pytest.raises(ConfigError, match=r"needs the backends' tokenizer.*\(no backend answered GET /v1/models "
+                                          r"within 1 s\)"):
         with_default_tokenizer(RouterConfig(backends=(f"http://127.0.0.1:{port}",), backend_startup_timeout_s=1.0))
     with pytest.raises(ConfigError, match="--backend-startup-timeout must be a finite number >= 0"):
         RouterConfig(backends=("http://a:1",), backend_startup_timeout_s=-1)
+
+
+def test_a_backend_naming_no_local_folder_is_named_at_once(monkeypatch):
+    import tandem.router.app as app
+
+    asked = []
+
+    def models_root(url, timeout_s):
+        asked.append(url)
+        return True, "Qwen/Qwen2.5-0.5B"  # a vLLM backend serving a hub name
+
+    monkeypatch.setattr(app, "_models_root", models_root)
+    with pytest.raises(ConfigError) as e:
+        app.with_default_tokenizer(RouterConfig(backends=("http://a:1", "http://b:1"), backend_startup_timeout_s=60))
+    assert str(e.value) == ("the kv-aware policy needs the backends' tokenizer: pass --tokenizer PATH "
+                            "(http://a:1/v1/models names no local folder (its model root: 'Qwen/Qwen2.5-0.5B'))")
+    assert asked == ["http://a:1"]  # no waiting: the backend answered
 
 
 def test_kv_events_flag_needs_url_and_endpoint(capsys):
