@@ -125,9 +125,15 @@ def reinstall_signal_handlers() -> None:
             signal.signal(sig, handler)
 
 
-def _exit(code: int) -> None:
-    """Ends the process now with ``code`` (logs flushed first): no Ray call may run on the way out."""
+def exit_now(code: int) -> None:
+    """Ends the process now with ``code`` (logs and standard streams flushed first): no Ray call may run
+    on the way out."""
     logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
     os._exit(code)
 
 
@@ -200,7 +206,7 @@ class ClusterWatch:
                              "it takes its raylet for dead: %s names no live process or, unset, the parent is pid 1): "
                              "exiting with code %d for a supervisor to restart the server", reason, RAYLET_PID_ENV,
                              EXIT_CLUSTER_LOST)
-                _exit(EXIT_CLUSTER_LOST)
+                exit_now(EXIT_CLUSTER_LOST)
                 return
             logger.error("%s", reason)
             try:

@@ -24,6 +24,7 @@ Importing this module does not import ray (``RayEngines`` does; ``pip install 't
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import functools
 import logging
@@ -38,7 +39,7 @@ from typing import Any
 
 from tandem.config import EngineConfig, ParallelConfig
 from tandem.engine.core_client import EngineCoreStartError
-from tandem.engine.ray_cluster import ClusterWatch, import_ray, unreachable
+from tandem.engine.ray_cluster import ClusterWatch, exit_now, import_ray, unreachable
 from tandem.engine.remote_client import (
     RECONNECT_TIMEOUT_S,
     EngineCoreAwayError,
@@ -56,6 +57,9 @@ LOAD_TIMEOUT_S = 600.0  # every actor must have loaded its model within this
 LOSS_PROBES = 2  # a lost connection checks the GCS this often before it counts as an actor's death (an ERROR)
 LOSS_PROBE_INTERVAL_S = 1.0
 LOSS_PROBE_TIMEOUT_S = 1.0
+RAYLET_PROCESS = "raylet"  # ray_constants.PROCESS_TYPE_RAYLET: the key of Node.all_processes
+CLOSE_TIMEOUT_S = 30.0  # leaving a local cluster (about 4 s) may take this long before its processes are killed
+CLOSE_POLL_S = 0.2  # how often close checks that the local raylet still runs
 
 
 class RayCoreSupervisor(RemoteCoreSupervisor):
@@ -259,6 +263,7 @@ class RayEngines:
         self.cpus = cpus
         self.actors: list[Any] = []
         self.addresses: list[str] = []
+        self.actor_pids: list[tuple[str | None, int | None]] = []  # (host, pid) of each actor's process, as it reported
         self.group = None
         # NOTE: a cluster this server started (ray.init without an address) is not started again once lost
         self.rejoins = bool(parallel.ray_address or os.environ.get("RAY_ADDRESS"))
@@ -307,6 +312,7 @@ class RayEngines:
             for client in clients:
                 client.close()
             raise
+        self.actor_pids = [(c.core_host, c.core_pid) for c in clients]
         self.cluster = ClusterWatch(ray, ray.get_runtime_context().gcs_address, self._rejoin if self.rejoins else None)
         self.cluster.start()
         return clients
@@ -350,7 +356,10 @@ class RayEngines:
                     raise EngineCoreStartError(f"engine core actor {rank} is not back yet: "
                                                f"{type(e).__name__}") from None
             self.addresses[rank] = address
-            return RemoteEngineCoreClient.connect(address, self.secret, RECONNECT_TIMEOUT_S)
+            client = RemoteEngineCoreClient.connect(address, self.secret, RECONNECT_TIMEOUT_S)
+            if rank < len(self.actor_pids):
+                self.actor_pids[rank] = (client.core_host, client.core_pid)
+            return client
 
         reconnect.engines = self  # type: ignore[attr-defined]  # NOTE: for RayCoreSupervisor.watch
         return reconnect
@@ -379,11 +388,108 @@ class RayEngines:
 
     def close(self) -> None:
         """Kills the actors (no restart), removes the placement group, and leaves the cluster (nothing
-        once the cluster is lost: it is left already)."""
+        once the cluster is lost: it is left already).
+
+        When this server started the local cluster, a SIGTERM to the server's whole process group
+        (systemd's default ``KillMode=control-group``, ``kill -TERM -- -PGID``) ends its raylet too, and
+        Ray's calls then wait on it without end (``remove_placement_group`` did). So the raylet is checked
+        first and, while the calls run, by ``_CloseWatch``: once it has exited (or after
+        ``CLOSE_TIMEOUT_S``) the cluster's processes and the actors are killed directly
+        (``_stop_orphaned_local_cluster``) and the process exits with code 0 at once (the server has
+        drained; a normal exit would run Ray's core worker teardown, which crashed with SIGSEGV then)."""
         if self.cluster is not None:
             self.cluster.close()
             if self.cluster.lost is not None:
                 return
-        self._kill_actors()
-        if self.started_ray or self.cluster is not None and self.cluster.num_rejoins:
-            self.ray.shutdown()
+        if self._local_raylet_exited():
+            self._stop_orphaned_local_cluster()
+            exit_now(0)  # NOTE: a normal exit runs Ray's core worker teardown, which crashed (SIGSEGV) here
+        watch = _CloseWatch(self) if self._local_node() is not None else None
+        try:
+            self._kill_actors()
+            if watch is not None:
+                watch.shutting_down = True  # NOTE: ray.shutdown kills the raylet itself
+            if self.started_ray or self.cluster is not None and self.cluster.num_rejoins:
+                self.ray.shutdown()
+        finally:
+            if watch is not None:
+                watch.stop()
+
+    def _local_node(self) -> Any:
+        """Ray's record of the local cluster ``ray.init`` started in this process (None: none, or a
+        cluster joined at an address)."""
+        if not self.started_ray or self.rejoins:
+            return None
+        worker = getattr(getattr(self.ray, "_private", None), "worker", None)
+        return getattr(worker, "_global_node", None)
+
+    def _local_raylet_exited(self) -> bool:
+        """Whether this server started the local cluster and that cluster's raylet has exited. No state changes."""
+        node = self._local_node()
+        if node is None:
+            return False
+        try:
+            return any(kind == RAYLET_PROCESS for kind, _ in node.dead_processes())
+        except Exception:  # noqa: BLE001 - Ray's internals moved: keep the normal path
+            return False
+
+    def _stop_orphaned_local_cluster(self) -> None:
+        """Ends a local cluster whose raylet is gone without one Ray call: SIGKILL to each engine actor's
+        process on this host (its recorded pid, if that process is still a Ray worker), then to the
+        cluster's other processes (GCS, monitors; Ray's own ``kill_all_processes``, which reaps them), and
+        drops Ray's exit hook, whose ``ray.shutdown`` would wait on the raylet too. Changes: processes."""
+        logger.warning("the local Ray cluster's raylet has exited (a signal to the whole process group?): "
+                       "stopping its processes and the engine actors without Ray calls")
+        host = socket.gethostname()
+        for actor_host, pid in self.actor_pids:
+            if pid is not None and actor_host in (None, host) and _is_ray_worker(pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        node = self._local_node()
+        try:
+            node.kill_all_processes(check_alive=False, allow_graceful=False)
+        except Exception as e:  # noqa: BLE001 - best effort on the way out
+            logger.warning("stopping the local Ray processes: %s: %s", type(e).__name__, e)
+        atexit.unregister(self.ray.shutdown)
+        atexit.unregister(self.ray._private.worker.shutdown)
+
+
+class _CloseWatch:
+    """A daemon thread that ends the process once ``engines``' local raylet exits while ``close`` waits on
+    Ray (or after ``CLOSE_TIMEOUT_S``), after stopping the cluster without Ray (``_stop_orphaned_local_cluster``).
+    ``shutting_down``: ``ray.shutdown`` runs (it ends the raylet itself): only the deadline counts then."""
+
+    def __init__(self, engines: RayEngines) -> None:
+        self.engines = engines
+        self.shutting_down = False
+        self._deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tandem-ray-close-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(CLOSE_POLL_S):
+            late = time.monotonic() > self._deadline
+            if late or not self.shutting_down and self.engines._local_raylet_exited():
+                if self._stop.is_set():
+                    return
+                if late:
+                    logger.warning("leaving the local Ray cluster took over %.0f s", CLOSE_TIMEOUT_S)
+                self.engines._stop_orphaned_local_cluster()
+                exit_now(0)
+                return
+
+
+def _is_ray_worker(pid: int) -> bool:
+    """Whether process ``pid`` is a Ray worker (its title starts with ``ray::``), so a reused pid is never killed."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().startswith(b"ray::")
+    except OSError:
+        return False

@@ -183,7 +183,7 @@ def test_ray_would_exit_follows_rays_own_test(monkeypatch):
 def test_a_lost_cluster_that_cannot_be_left_in_process_exits_loudly_with_code_1(fast, monkeypatch, caplog):
     exits = []
     monkeypatch.setattr(ray_cluster, "ray_would_exit", lambda: True)
-    monkeypatch.setattr(ray_cluster, "_exit", exits.append)
+    monkeypatch.setattr(ray_cluster, "exit_now", exits.append)
     watch = ClusterWatch(FakeRay(), "10.0.0.1:6379", rejoin=lambda: None)
     with caplog.at_level(logging.ERROR, logger="tandem.engine.ray_cluster"):
         watch._leave(LOST)
