@@ -86,7 +86,7 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return load_extension().linear_bf16(x, weight, bias)
 
 
-PACK_ROWS = 64  # rows per panel of a packed bf16 weight (csrc/linear_bf16_packed.cpp)
+PACK_ROWS = 64  # rows per panel of a packed bf16 weight (csrc/packed_bf16.h kPanel)
 
 
 def _panels(packed: torch.Tensor) -> torch.Tensor:
@@ -140,9 +140,11 @@ def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def linear_bf16_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ W[N, K].T (+ bias [N])`` -> ``[M, N]``, all bf16, with ``packed = pack_bf16(W)``.
 
-    avx512_bf16 only (csrc/linear_bf16_packed.cpp): 16 rows x one K pair per ``vdpbf16ps``, each
-    (token, row) value one fp32 chain over the K pairs in order, + bias, rounded to bf16 once: the same
-    bits for any M (batch invariance), ``F.linear`` in fp32 up to the summation order and rounding.
+    avx512_bf16 (csrc/linear_bf16_packed.cpp): 16 rows x one K pair per ``vdpbf16ps``; avx2
+    (csrc/avx2/linear_bf16_packed.cpp): 8 rows x one K pair widened to fp32, two FMAs. Either way each
+    (token, row) value is one fp32 chain over K in order, + bias, rounded to bf16 once: the same bits for
+    any M (batch invariance), ``F.linear`` in fp32 up to the summation order and rounding (the two
+    variants' bits differ: ``vdpbf16ps`` and FMA round differently).
 
     Raises:
         RuntimeError: wrong dtypes or shapes, or ``packed`` not from ``pack_bf16`` (raised by the kernel).
@@ -545,7 +547,7 @@ def decoder_layer(
     is bit-identical to it: ``x [T, hidden]`` bf16 and ``residual`` (None on the first layer: ``x`` is
     then the embeddings) as there; norm weights ``[hidden]``; ``linears`` = qkv (rows ordered q, k, v),
     o, gate_up, down, each ``(format, weight, scale, bias)``: ``"bf16"`` with the weight ``[N, K]`` and no
-    scale, ``"bf16_packed"`` with a ``pack_bf16`` weight and no scale (avx512_bf16), or a ``QuantizedLinear``
+    scale, ``"bf16_packed"`` with a ``pack_bf16`` weight and no scale, or a ``QuantizedLinear``
     format of ``LINEAR_KINDS`` with its ``qweight`` and ``scale``
     (``Linear.kernel_linear`` / ``QuantizedLinear.kernel_linear``), or a list of such parts whose outputs are
     concatenated along N (``ConcatLinear.kernel_linear``); or all four already flattened (``FlatLinears``);

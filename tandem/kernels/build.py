@@ -70,7 +70,7 @@ AVX512_BF16 = Variant(
     name="avx512_bf16",
     sources=("bindings.cpp", "linear_bf16.cpp", "linear_bf16_packed.cpp", "linear_quant.cpp", "paged_attention.cpp",
              "elementwise.cpp", "threads.cpp", "decoder_layer.cpp", "avx2/parallel.cpp"),
-    headers=("vec.h", "gemm_tile.h", "avx2/parallel.h"),
+    headers=("vec.h", "gemm_tile.h", "packed_bf16.h", "avx2/parallel.h"),
     cflags=("-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
             "-mf16c"),
     required_cpu_flags=("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
@@ -83,7 +83,7 @@ AVX512_BF16 = Variant(
 AVX2 = Variant(
     name="avx2",
     sources=_avx2_files(".cpp") + ("threads.cpp", "decoder_layer.cpp"),
-    headers=_avx2_files(".h"),
+    headers=_avx2_files(".h") + ("packed_bf16.h",),
     cflags=("-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"),
     required_cpu_flags=("avx2", "fma", "f16c"),
     ldflags=LDFLAGS + ("-Wl,-Bsymbolic",),

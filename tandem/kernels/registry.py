@@ -69,8 +69,8 @@ LIMITS: dict[str, dict[str, int | None]] = {
     # dequantize for one oneDNN GEMM above a linear limit (none today); avx2's linears take every M
     **{op: _limits(None, _NONE) for op in _DEQUANT_OPS},
     "paged_attention": _limits(None, None),
-    # bf16 weights packed at load (kernels.pack_bf16; models.layers.pack_linears): AVX-512 BF16 only
-    "linear_bf16_packed": _limits(None, _NONE),
+    # bf16 weights packed at load (kernels.pack_bf16; models.layers.pack_linears), both variants
+    "linear_bf16_packed": _limits(None, None),
     "decoder_layer": _limits(None, None),
     **{op: _limits(_NONE, None) for op in _AVX2_ONLY_LINEAR_OPS + _AVX2_ONLY_MOE_OPS + _AVX2_ONLY_OPS},
 }

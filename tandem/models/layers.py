@@ -82,9 +82,9 @@ class Linear(nn.Module):
     replaces several.
 
     ``pack()`` (``pack_linears``, once the weights are loaded) re-lays a bf16 weight out for the
-    AVX-512 BF16 packed kernel (``kernels.pack_bf16``): the ``weight`` parameter is then gone (the
-    memory is not held twice) and ``packed`` holds it; ``dense_weight()`` gives the ``[N, K]`` weight
-    either way.
+    packed bf16 kernel (``kernels.pack_bf16``; avx512_bf16 and avx2 variants): the ``weight``
+    parameter is then gone (the memory is not held twice) and ``packed`` holds it; ``dense_weight()``
+    gives the ``[N, K]`` weight either way.
     """
 
     def __init__(
@@ -107,7 +107,7 @@ class Linear(nn.Module):
 
     def packable(self) -> bool:
         """Whether ``pack()`` would pack: a bf16 weight with an even K, not packed yet, and the packed
-        kernel runs here (``registry.use("linear_bf16_packed")``: the avx512_bf16 variant)."""
+        kernel runs here (``registry.use("linear_bf16_packed")``: the avx512_bf16 and avx2 variants)."""
         w = self._parameters.get("weight")
         return (self.packed is None and w is not None and w.dtype == torch.bfloat16 and w.dim() == 2
                 and w.shape[1] % 2 == 0 and registry.use("linear_bf16_packed"))
@@ -118,7 +118,8 @@ class Linear(nn.Module):
         Returns the packed tensor. Raises ``ValueError`` when not ``packable()``.
         """
         if not self.packable():
-            raise ValueError("Linear.pack: needs an unpacked bf16 weight with even K on the avx512_bf16 kernels")
+            raise ValueError("Linear.pack: needs an unpacked bf16 weight with even K and a kernel backend "
+                             "with the packed kernel (avx512_bf16, avx2)")
         packed = kernels.pack_bf16(self.weight.detach())
         del self.weight
         self.packed = packed
@@ -179,10 +180,10 @@ class Embedding(nn.Module):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Pack every ``packable()`` ``Linear`` of ``model`` for the AVX-512 BF16 packed kernel, in place.
+    """Pack every ``packable()`` ``Linear`` of ``model`` for the packed bf16 kernel, in place.
 
     A tied LM head (its weight the embedding's parameter) is packed once and the embedding then reads its
-    rows from the packed table. Nothing changes where the kernel does not run (avx2 / torch backends,
+    rows from the packed table. Nothing changes where the kernel does not run (the torch backend,
     float32 or quantized weights), or when ``$TANDEM_PACKED_BF16=0`` (the row-major ``linear_bf16`` kernel
     then runs: for side-by-side measurements). Returns the number of linears packed.
     """

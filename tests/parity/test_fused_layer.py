@@ -68,7 +68,7 @@ def run_both(model, runner: ModelRunner, monkeypatch: pytest.MonkeyPatch):  # no
 
 def gguf_codes(linear: Linear, method: str) -> QuantizedLinear:
     """A ``method`` (q8_0 / q4_1) layer holding the nearest GGUF codes of a float ``Linear``'s weight."""
-    dense = linear.dense_weight().detach()  # packed for the avx512_bf16 kernel after load (pack_linears)
+    dense = linear.dense_weight().detach()  # packed for the packed bf16 kernel after load (pack_linears)
     w = dense.float()
     n, k = w.shape
     layer = QuantizedLinear.empty(method, k, linear.output_sizes, linear.bias is not None, dense.dtype,

@@ -1,9 +1,10 @@
-"""The packed bf16 linear (avx512_bf16 only: ``kernels.pack_bf16`` + ``linear_bf16_packed``) and its layers.
+"""The packed bf16 linear (``kernels.pack_bf16`` + ``linear_bf16_packed``, both variants) and its layers.
 
 References are independent of the kernel: float64 ``x @ w.T + b`` of the same bf16 values, ``F.embedding``
 and the weight itself for the packing. Bound: each (token, row) value is one fp32 chain over the K pairs
-(``vdpbf16ps`` rounds after each of the two products of a pair: at most K roundings, ``(K + 2) 2^-24`` of
-``|x| @ |w|.T + |b|``) plus the output's bf16 rounding (2^-8 relative).
+(``vdpbf16ps`` on avx512_bf16, two FMAs on avx2: each rounds after each of the two products of a pair, at
+most K roundings, ``(K + 2) 2^-24`` of ``|x| @ |w|.T + |b|``) plus the output's bf16 rounding (2^-8 relative).
+The kernel tests run on every variant this CPU runs (an AVX-512 CPU runs the avx2 one too).
 """
 
 from __future__ import annotations
@@ -16,16 +17,19 @@ from tandem import kernels
 from tandem.kernels import build, registry
 from tandem.models.layers import Embedding, Linear, pack_linears
 
-AVX512 = build.load_variant("avx512_bf16") is not None
-pytestmark = pytest.mark.skipif(not AVX512, reason="the avx512_bf16 variant does not run here (CPU lacks avx512_bf16)")
+VARIANTS = [pytest.param(v, marks=pytest.mark.skipif(build.load_variant(v) is None,
+                                                     reason=f"the {v} variant does not run on this CPU"))
+            for v in ("avx512_bf16", "avx2")]
 
 
 def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def kernel():
-    return build.load_variant("avx512_bf16").linear_bf16_packed
+@pytest.fixture(params=VARIANTS)
+def kernel(request):
+    """The variant's ``linear_bf16_packed``."""
+    return build.load_variant(request.param).linear_bf16_packed
 
 
 def bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,49 +54,50 @@ def test_pack_unpack_and_rows_are_the_weight(n: int, k: int) -> None:
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 2), (1, 64, 64), (3, 100, 130), (6, 64, 896), (7, 300, 64),
                                            (16, 1152, 896), (33, 65, 898), (300, 70, 128)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_float64_reference(m: int, n: int, k: int, bias: bool) -> None:
+def test_matches_float64_reference(m: int, n: int, k: int, bias: bool, kernel) -> None:
     g = gen(m * 7 + n + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     x = torch.randn(m, k, generator=g)
     x[:, 3::97] *= 40.0  # outliers
     x = x.bfloat16()
     b = torch.randn(n, generator=g).bfloat16() if bias else None
-    y = kernel()(x, kernels.pack_bf16(w), b)
+    y = kernel(x, kernels.pack_bf16(w), b)
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     ref, tol = bound(x, w, b)
     assert ((y.double() - ref).abs() <= tol).all()
 
 
 @pytest.mark.parametrize(("n", "k"), [(21, 896), (130, 64), (64, 4864)])
-def test_every_token_count_is_one_token_bits(n: int, k: int) -> None:
-    """M = 2 .. 40 (whole and partial 6-token tiles) and 300 against M = 1, bit for bit, wherever a token sits."""
+def test_every_token_count_is_one_token_bits(n: int, k: int, kernel) -> None:
+    """M = 2 .. 40 (whole and partial register tiles of either variant) and 300 against M = 1, bit for bit,
+    wherever a token sits."""
     g = gen(n * k)
     w = kernels.pack_bf16(torch.randn(n, k, generator=g).bfloat16())
     b = torch.randn(n, generator=g).bfloat16()
     x = torch.randn(300, k, generator=g).bfloat16()
-    alone = torch.cat([kernel()(x[i : i + 1], w, b) for i in range(300)])
+    alone = torch.cat([kernel(x[i : i + 1], w, b) for i in range(300)])
     for m in [*range(2, 41), 300]:
         for start in {0, 300 - m, (300 - m) // 2}:
-            assert torch.equal(kernel()(x[start : start + m], w, b), alone[start : start + m]), (m, start)
+            assert torch.equal(kernel(x[start : start + m], w, b), alone[start : start + m]), (m, start)
 
 
-def test_strided_input_and_inf_nan_like_f_linear() -> None:
+def test_strided_input_and_inf_nan_like_f_linear(kernel) -> None:
     g = gen(5)
     w = torch.randn(40, 64, generator=g).bfloat16()
     x = torch.randn(4, 64, generator=g).bfloat16()
     packed = kernels.pack_bf16(w)
     strided = torch.cat([x, x], dim=1)[:, :64]
-    assert torch.equal(kernel()(strided, packed), kernel()(x, packed))
+    assert torch.equal(kernel(strided, packed), kernel(x, packed))
     x[0, 5] = float("inf")
     w[7, 5] = 0.0  # inf * 0 -> NaN in row 0, column 7
     x[3, 9] = float("nan")
     ref = x.double() @ w.double().T
-    y = kernel()(x, kernels.pack_bf16(w)).double()
+    y = kernel(x, kernels.pack_bf16(w)).double()
     assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
     assert torch.equal(y[ref.isinf()], ref[ref.isinf()])
 
 
-def test_bad_arguments_raise() -> None:
+def test_bad_arguments_raise(kernel) -> None:
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     packed = kernels.pack_bf16(torch.zeros(70, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="even K"):
@@ -100,13 +105,13 @@ def test_bad_arguments_raise() -> None:
     with pytest.raises(ValueError, match="bf16"):
         kernels.pack_bf16(torch.zeros(4, 64))
     with pytest.raises(RuntimeError, match="disagree on K"):
-        kernel()(torch.zeros(2, 66, dtype=torch.bfloat16), packed)
+        kernel(torch.zeros(2, 66, dtype=torch.bfloat16), packed)
     with pytest.raises(RuntimeError, match="bf16 only"):
-        kernel()(x.float(), packed)
+        kernel(x.float(), packed)
     with pytest.raises(RuntimeError, match="not a pack_bf16 weight"):
-        kernel()(x, torch.zeros(70, 64, dtype=torch.bfloat16))  # storage of 70 rows, not 2 panels
+        kernel(x, torch.zeros(70, 64, dtype=torch.bfloat16))  # storage of 70 rows, not 2 panels
     with pytest.raises(RuntimeError, match="bias must be bf16"):
-        kernel()(x, packed, torch.zeros(69, dtype=torch.bfloat16))
+        kernel(x, packed, torch.zeros(69, dtype=torch.bfloat16))
 
 
 class Tied(torch.nn.Module):
@@ -124,7 +129,7 @@ class Tied(torch.nn.Module):
 
 
 PACKING = pytest.mark.skipif(not registry.use("linear_bf16_packed"),
-                             reason="the selected kernel backend is not avx512_bf16: nothing packs")
+                             reason="the selected kernel backend (torch) has no packed kernel: nothing packs")
 
 
 @PACKING
@@ -158,7 +163,7 @@ def test_pack_linears_leaves_float32_and_disabled_alone(monkeypatch: pytest.Monk
 
 
 @PACKING
-def test_packed_linear_falls_back_to_torch_off_the_avx512_path(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_packed_linear_falls_back_to_torch_off_the_kernel_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """A packed layer still gives F.linear's values when the registry no longer picks the packed kernel."""
     model = Tied(64, 32)
     w, b = model.proj.weight.clone(), model.proj.bias.clone()

@@ -19,9 +19,8 @@
 #include <vector>
 
 at::Tensor linear_bf16(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
-#ifdef __AVX512BF16__  // the packed bf16 kernel exists in the avx512_bf16 build only (linear_bf16_packed.cpp)
+// linear_bf16_packed.cpp in the avx512_bf16 build, avx2/linear_bf16_packed.cpp in the avx2 one
 at::Tensor linear_bf16_packed(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias);
-#endif
 at::Tensor linear_int8(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::optional<at::Tensor> bias);
 at::Tensor linear_int4(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::optional<at::Tensor> bias);
 at::Tensor linear_q8_0(at::Tensor x, at::Tensor qweight, at::Tensor scale, c10::optional<at::Tensor> bias);
@@ -44,8 +43,7 @@ namespace {
 
 // kinds[i]: the format of linear part i (tandem.kernels.LINEAR_KINDS): 0 bf16 (weights[i] is the bf16
 // weight, scales[i] None), 1 int8, 2 int4, 3 q8_0, 4 q4_1, 5 q5_0, 6 q4_k, 7 q6_k (weights[i] the
-// qweight, scales[i] its scale), 8 bf16_packed (weights[i] the packed weight of pack_bf16, scales[i] None;
-// avx512_bf16 build only).
+// qweight, scales[i] its scale), 8 bf16_packed (weights[i] the packed weight of pack_bf16, scales[i] None).
 at::Tensor part_linear(const at::Tensor& x, int64_t kind, const at::Tensor& w, const c10::optional<at::Tensor>& scale,
                        const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(kind == 0 || kind == 8 || (scale.has_value() && scale->defined()), "decoder_layer: a quantized linear needs its scale");
@@ -60,9 +58,7 @@ at::Tensor part_linear(const at::Tensor& x, int64_t kind, const at::Tensor& w, c
     case 6: return linear_q4_k(x, w, *scale, bias);
     case 7: return linear_q6_k(x, w, *scale, bias);
 #endif
-#ifdef __AVX512BF16__
     case 8: return linear_bf16_packed(x, w, bias);
-#endif
     default: TORCH_CHECK(false, "decoder_layer: linear kind ", kind, " is unknown or not in this build");
   }
 }

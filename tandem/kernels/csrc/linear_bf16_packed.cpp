@@ -26,6 +26,7 @@
 
 #include "avx2/parallel.h"
 #include "gemm_tile.h"
+#include "packed_bf16.h"
 
 namespace tandem {
 at::Tensor prepare_linear(at::Tensor& x, int64_t N, int64_t K, const c10::optional<at::Tensor>& bias,
@@ -34,7 +35,7 @@ at::Tensor prepare_linear(at::Tensor& x, int64_t N, int64_t K, const c10::option
 
 namespace {
 
-constexpr int kPanel = 64;  // rows per panel: 4 vectors of 16 fp32 lanes
+using tandem::packed::kPanel;
 
 inline uint32_t load_pair(const uint16_t* p) {
   uint32_t v;
@@ -101,14 +102,7 @@ inline void panel_rest(int64_t rest, const uint16_t* x, int64_t ldx, const uint1
 // x [M, K] bf16; w the packed weight of pack_bf16: a bf16 tensor of shape [N, K] (K even) whose storage
 // holds ceil(N / 64) panels of 64 x K from its data pointer; bias [N] bf16 or None -> y [M, N] bf16.
 at::Tensor linear_bf16_packed(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "linear_bf16_packed: x and w must be 2-D");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16_packed: bf16 only");
-  TORCH_CHECK(w.is_contiguous(), "linear_bf16_packed: w must be the contiguous packed weight of pack_bf16");
-  const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanel - 1) / kPanel;
-  TORCH_CHECK(K % 2 == 0, "linear_bf16_packed: K must be even");
-  const int64_t needed = (w.storage_offset() + panels * kPanel * K) * static_cast<int64_t>(sizeof(uint16_t));
-  TORCH_CHECK(static_cast<int64_t>(w.storage().nbytes()) >= needed,
-              "linear_bf16_packed: w's storage does not hold ceil(N / 64) panels (not a pack_bf16 weight)");
+  const int64_t panels = tandem::packed::check_args(x, w), N = w.size(0), K = w.size(1);
   at::Tensor b;
   at::Tensor y = tandem::prepare_linear(x, N, K, bias, b, "linear_bf16_packed");
   const int64_t M = x.size(0), K2 = K / 2;

@@ -37,6 +37,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // quantize the activations to int8 per block of 32 (llama.cpp's AVX2 path).
   m.def("linear_bf16", &linear_bf16, "y = x @ w.T (+ bias), bf16, fp32 FMA", py::arg("x"), py::arg("w"),
         py::arg("bias") = py::none());
+  m.def("linear_bf16_packed", &linear_bf16_packed, "y = x @ w.T (+ bias), bf16, w packed by pack_bf16, fp32 FMA",
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("linear_int8", &linear_int8, "y = x @ (q * scale).T (+ bias), int8 per-channel weights", py::arg("x"),
         py::arg("qweight"), py::arg("scale"), py::arg("bias") = py::none());
   m.def("linear_int4", &linear_int4, "y = x @ (q * scale).T (+ bias), Q4_0 group-32 weights", py::arg("x"),
