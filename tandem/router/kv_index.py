@@ -213,6 +213,13 @@ class ApproxBlockIndex:
     def on_complete(self, block_hashes: Sequence[int]) -> None:
         """Nothing to do: the blocks were recorded on dispatch."""
 
+    def forget(self, block_hashes: Sequence[int]) -> None:
+        """Drops blocks recorded on dispatch that the backend never computed (the request failed or was
+        refused: a 4xx / 5xx / 429 or no answer); otherwise a later hit on them would be predicted, not
+        found, and ``observe_hit`` would shrink the capacity for good. Changes: the LRU."""
+        for h in block_hashes:
+            self._lru.pop(h, None)
+
     def observe_hit(self, predicted_blocks: int, cached_blocks: int) -> None:
         """Corrects the capacity from a response's reported prefix hit (``usage.prompt_tokens_details
         .cached_tokens // block_size``) against what ``match`` predicted before dispatch.

@@ -189,6 +189,7 @@ class Router:
             if upstream is not None:
                 await upstream.aclose()
             self.policy.on_complete(ticket)
+            self._unrecord(backend, ticket)
             return self._attempt_failed(backend, e, wait)
         except BaseException:  # NOTE: cancelled (the client left): the ticket must still complete
             self.policy.on_complete(ticket)
@@ -222,6 +223,7 @@ class Router:
     def _busy(self, backend: HttpBackend, opened: _Opened, ticket: Ticket) -> Response:
         """A backend's 429: skipped for its ``Retry-After``; kept (with a ``Retry-After``) to relay."""
         self.policy.on_complete(ticket)
+        self._unrecord(backend, ticket)
         upstream = opened.response
         backend.mark_busy(upstream.headers.get("retry-after"))
         backend.health.on_response(429)
@@ -233,6 +235,7 @@ class Router:
         """A backend's 5xx: a passive failure; returns ``"URL answered STATUS"`` for the client. The backend's
         own error message is logged, never relayed (a 5xx body may carry a server's internals)."""
         self.policy.on_complete(ticket)
+        self._unrecord(backend, ticket)
         status = opened.response.status_code
         self.metrics.errors.labels(backend.url, "5xx").inc()
         backend.health.on_response(status)
@@ -267,6 +270,8 @@ class Router:
 
     async def _relay(self, backend: HttpBackend, opened: _Opened, ticket: Ticket, prompt: RoutedPrompt) -> Response:
         upstream = opened.response
+        if upstream.status_code >= 400:  # a 4xx passed through: the backend computed nothing
+            self._unrecord(backend, ticket)
         headers = dict(filter_headers(upstream.headers, DROP_RESPONSE_HEADERS))
         if not prompt.stream and upstream.headers.get("content-type", "").startswith("application/json"):
             try:
@@ -303,6 +308,14 @@ class Router:
         finally:
             await opened.response.aclose()
             self.policy.on_complete(ticket)
+
+    @staticmethod
+    def _unrecord(backend: HttpBackend, ticket: Ticket) -> None:
+        """An approximate index forgets the blocks this request added on dispatch (the ones past its
+        leading hit): the backend did not compute them (``ApproxBlockIndex.forget``)."""
+        index = backend.state.index
+        if isinstance(index, ApproxBlockIndex):
+            index.forget(ticket.block_hashes[ticket.matched_blocks:])
 
     def _broken(self, backend: HttpBackend, e: Exception) -> None:
         self.metrics.errors.labels(backend.url, "stream").inc()

@@ -168,6 +168,18 @@ def test_approx_index_lru_evicts_leaves_first_and_shrinks_on_a_smaller_hit():
         ApproxBlockIndex(0)
 
 
+def test_approx_index_forgets_the_blocks_of_a_failed_request_only():
+    idx = ApproxBlockIndex(capacity_blocks=100)
+    idx.on_dispatch(PROMPT[:4])
+    other = hash_token_blocks(SYSTEM + [9, 9, 9, 9], BS)  # shares the 4 system blocks, then one of its own
+    assert idx.match(other) == 4
+    idx.on_dispatch(other)
+    idx.forget(other[4:])  # it failed: only the block it added goes
+    assert idx.match(PROMPT) == 4 and idx.match(other) == 4 and len(idx) == 4
+    idx.forget(other[4:])  # twice: nothing more
+    assert len(idx) == 4 and idx.capacity_blocks == 100
+
+
 def test_approx_backends_route_a_shared_prefix_to_one_backend():
     bs = _backends(2, events=False)
     p = make_policy("kv-aware")

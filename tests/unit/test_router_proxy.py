@@ -255,6 +255,28 @@ async def test_kv_aware_keeps_a_shared_prefix_on_one_backend_without_events():
     await _stop(service, client)
 
 
+async def test_a_refused_request_leaves_no_blocks_in_the_approximate_index():
+    """A 4xx / 5xx answer computed nothing: its prompt's blocks must not be predicted as cached later (the next
+    real request's smaller reported hit would shrink the index's capacity for good)."""
+    fakes = Fakes()
+    bad = lambda request: httpx.Response(400, json={"error": {"message": "max_tokens too large"}})  # noqa: E731
+    fakes.script = {A: bad}
+    service, client = await _start(fakes, A, policy="kv-aware", block_size=4)
+    a = service.backends[0]
+    capacity = a.state.index.capacity_blocks
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status_code == 400 and len(a.state.index) == 0
+    fakes.script = {A: lambda request: httpx.Response(500, json={"error": {"message": "boom"}})}
+    assert (await client.post("/v1/completions", json=BODY)).status_code == 502
+    assert len(a.state.index) == 0
+    fakes.script = {A: ok}
+    assert (await client.post("/v1/completions", json=BODY)).status_code == 200
+    hashes = hash_token_blocks([ord(c) for c in BODY["prompt"]], 4)
+    assert len(a.state.index) == len(hashes) and a.state.index.match(hashes) == len(hashes)
+    assert a.state.index.capacity_blocks == capacity
+    await _stop(service, client)
+
+
 def test_wildcard_event_endpoints_are_reached_at_the_backend_host():
     assert reachable_endpoint("tcp://*:5557", "http://10.0.0.7:8000") == "tcp://10.0.0.7:5557"
     assert reachable_endpoint("tcp://0.0.0.0:5557", "http://gpu1:8000") == "tcp://gpu1:5557"
