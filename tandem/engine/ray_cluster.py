@@ -18,11 +18,25 @@ parent is pid 1 (``getppid() == 1``: a server under systemd, tini or ``nohup ...
 exited). Ray reads ``RAY_RAYLET_PID`` once, when ``ray`` is imported: ``import_ray`` sets it to this process's
 own pid for that import, so no such call can end the server. Where ``ray`` was imported before (unguarded)
 and leaving would end the process, the server logs the one ERROR and exits with code 1 itself instead.
+
+A cluster this server started (``ray.init`` without an address) is never left through Ray: its raylet is a
+child of this process, in its process group, and once it has exited (a signal to the whole group, the OOM
+killer) every Ray call may wait on it without end. ``ClusterWatch`` checks it every second and, once it has
+exited (or the GCS has not answered for ``cluster_lost_after_s``), stops the cluster's processes without a
+Ray call (``stop_local``) and marks the cluster lost; ``RayEngines.close`` then ends the process at once.
+
+Signals: ``ray.init`` sets a SIGTERM handler that exits with code 15 (and its local node one that exits with
+1); ``deferred_signals`` keeps the server's own handlers and holds a SIGTERM/SIGINT that arrives meanwhile
+until ``ray.init`` has returned. Ray's C++ failure-signal handler, installed with the driver's core worker,
+resets SIGTERM to its default action when the core worker shuts down (``ray.shutdown``: a second SIGTERM
+then killed the server with 143): ``import_ray`` turns it off for this process
+(``RAY_DISABLE_FAILURE_SIGNAL_HANDLER``, read once at import, like ``RAY_RAYLET_PID``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -30,7 +44,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -40,6 +54,7 @@ LOST_AFTER_S = 10.0  # the cluster counts as lost after this long without (at mo
 RAY_GCS_TIMEOUT_S = 60.0  # Ray's default gcs_rpc_server_reconnect_timeout_s: a driver exits after this
 REJOIN_RETRY_S = 5.0  # pause after a failed rejoin
 RAYLET_PID_ENV = "RAY_RAYLET_PID"  # the process Ray's core worker takes for its raylet (read at import)
+NO_SIGNAL_HANDLER_ENV = "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"  # ray_constants: no C++ handlers (read at import)
 EXIT_CLUSTER_LOST = 1  # exit code when the lost cluster cannot be left in-process (a supervisor restarts it)
 
 _raylet_pid: str | None = None  # RAY_RAYLET_PID as Ray read it, when ``import_ray`` imported ray
@@ -47,9 +62,11 @@ _imported_here = False
 
 
 def import_ray() -> Any:
-    """Imports ``ray`` with ``RAY_RAYLET_PID`` set to this process's pid (unless set already), so Ray's core
-    worker never takes its raylet for dead and ends the process (see the module doc); the variable is
-    restored afterwards (processes Ray starts do not inherit it). Changes: ``os.environ`` while importing.
+    """Imports ``ray`` with ``RAY_RAYLET_PID`` set to this process's pid, so Ray's core worker never takes
+    its raylet for dead and ends the process, and with ``RAY_DISABLE_FAILURE_SIGNAL_HANDLER=1``, so shutting
+    Ray down does not reset SIGTERM to its default action (see the module doc); each unless set already,
+    and restored afterwards (processes Ray starts do not inherit them). Changes: ``os.environ`` while
+    importing.
 
     Raises: ImportError (ray is not installed).
     """
@@ -58,16 +75,53 @@ def import_ray() -> Any:
         import ray
 
         return ray
-    before = os.environ.get(RAYLET_PID_ENV)
-    if before is None:
-        os.environ[RAYLET_PID_ENV] = str(os.getpid())
+    saved = {name: os.environ.get(name) for name in (RAYLET_PID_ENV, NO_SIGNAL_HANDLER_ENV)}
+    os.environ.setdefault(RAYLET_PID_ENV, str(os.getpid()))
+    os.environ.setdefault(NO_SIGNAL_HANDLER_ENV, "1")
     try:
-        import ray  # NOTE: Ray's C++ config (RayConfig) is built here and reads RAY_RAYLET_PID once
+        import ray  # NOTE: Ray's C++ config (RayConfig) and ray_constants read both variables here, once
     finally:
-        if before is None:
-            os.environ.pop(RAYLET_PID_ENV, None)
-    _raylet_pid, _imported_here = before or str(os.getpid()), True
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+    _raylet_pid, _imported_here = saved[RAYLET_PID_ENV] or str(os.getpid()), True
     return ray
+
+
+@contextlib.contextmanager
+def deferred_signals(ray: Any, doing: str = "Ray starts",
+                     then: str = "the server stops once ray.init has returned") -> Iterator[list[int]]:
+    """Holds SIGTERM and SIGINT while the block runs (``ray.init``, or stopping the engine actors): the
+    yielded list collects the signals that arrived (the first logs a WARNING: "SIGTERM while ``doing``:
+    ``then``"), and Ray cannot set its own SIGTERM handlers meanwhile (``ray._private.utils
+    .set_sigterm_handler`` does nothing inside). The handlers from before are set again on the way out;
+    the caller acts on the list (a signal that arrived cut ``ray.init`` short before: exit code 15, and
+    worker processes that outlived the server). Outside the main thread it changes nothing. Changes: the
+    signal handlers, ``ray._private.utils.set_sigterm_handler`` inside the block."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    utils = getattr(getattr(ray, "_private", None), "utils", None)
+    ray_setter = getattr(utils, "set_sigterm_handler", None)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def hold(signum: int, frame: Any) -> None:
+        if not received:
+            logger.warning("%s while %s: %s", signal.Signals(signum).name, doing, then)
+        received.append(signum)
+
+    for sig in before:
+        signal.signal(sig, hold)
+    if ray_setter is not None:
+        utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield received
+    finally:
+        if ray_setter is not None:
+            utils.set_sigterm_handler = ray_setter
+        for sig, handler in before.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -144,18 +198,28 @@ class ClusterWatch:
         ray: the ``ray`` module. gcs_address: ``HOST:PORT`` of the cluster's GCS.
         rejoin: joins the cluster again and starts the engine actors (blocking; raises on failure); None:
             a lost cluster stays lost.
+        local_exited: for a cluster this server started: whether its raylet has exited (checked every
+            second). stop_local: stops that cluster's processes and the engine actors without a Ray call.
+            With them, a lost local cluster is never left through Ray (``ray.shutdown`` would wait on the
+            dead raylet).
 
     Attributes:
         lost: why the cluster counts as lost (None while it serves); Ray is not called meanwhile.
+        orphaned: the local cluster was lost and stopped through ``stop_local``: no Ray call may run again,
+            not even the interpreter's exit hooks (``RayEngines.close`` ends the process at once).
         lock: held by every Ray call of the server (``RayEngines``), so none runs while leaving.
         loop: the serving event loop, where the signal handlers are set again after leaving.
     """
 
-    def __init__(self, ray: Any, gcs_address: str, rejoin: Callable[[], None] | None) -> None:
+    def __init__(self, ray: Any, gcs_address: str, rejoin: Callable[[], None] | None,
+                 local_exited: Callable[[], bool] | None = None, stop_local: Callable[[], None] | None = None) -> None:
         self.ray = ray
         self.gcs_address = gcs_address
         self.rejoin = rejoin
+        self.local_exited = local_exited
+        self.stop_local = stop_local
         self.lost: str | None = None
+        self.orphaned = False
         self.lock = threading.Lock()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.num_rejoins = 0
@@ -184,6 +248,10 @@ class ClusterWatch:
                 if why is None and self.rejoin is not None:
                     self._try_rejoin()
                 continue
+            if self.stop_local is not None and self.local_exited is not None and self.local_exited():
+                self._orphan("the local Ray cluster's raylet has exited (a signal to the server's whole process "
+                             "group, or the raylet was killed)")
+                continue
             if why is None:
                 first_failure = None
                 continue
@@ -198,7 +266,11 @@ class ClusterWatch:
 
     def _leave(self, reason: str) -> None:
         """Marks the cluster lost (one ERROR) and leaves it. Changes: ``lost``; Ray's connection. Where leaving
-        would end the process (``ray_would_exit``) it exits with ``EXIT_CLUSTER_LOST`` after the ERROR instead."""
+        would end the process (``ray_would_exit``) it exits with ``EXIT_CLUSTER_LOST`` after the ERROR instead.
+        A local cluster (``stop_local``) is stopped without Ray instead (``_orphan``)."""
+        if self.stop_local is not None:
+            self._orphan(reason)
+            return
         with self.lock:
             self.lost = reason
             if ray_would_exit():
@@ -215,6 +287,16 @@ class ClusterWatch:
                 logger.warning("leaving the lost Ray cluster: %s: %s", type(e).__name__, e)
         if self.loop is not None and not self.loop.is_closed():
             self.loop.call_soon_threadsafe(reinstall_signal_handlers)
+
+    def _orphan(self, reason: str) -> None:
+        """Marks the local cluster lost and stops its processes without a Ray call (``stop_local``); one
+        WARNING (the usual cause is a shutdown: a signal to the whole process group). Changes: ``lost``,
+        ``orphaned``; processes."""
+        self.lost = (f"{reason}: its engine actors are lost; the server answers 503 until it is restarted")
+        self.orphaned = True  # NOTE: set before taking the lock: no Ray call starts from here on
+        logger.warning("%s; stopping the cluster's processes and the engine actors without Ray calls", self.lost)
+        with self.lock:
+            self.stop_local()  # type: ignore[misc]
 
     def _try_rejoin(self) -> None:
         """Runs ``rejoin`` (the GCS answers again); on success the cluster serves again. Changes: ``lost``."""

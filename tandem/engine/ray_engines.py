@@ -39,7 +39,7 @@ from typing import Any
 
 from tandem.config import EngineConfig, ParallelConfig
 from tandem.engine.core_client import EngineCoreStartError
-from tandem.engine.ray_cluster import ClusterWatch, exit_now, import_ray, unreachable
+from tandem.engine.ray_cluster import ClusterWatch, deferred_signals, exit_now, import_ray, unreachable
 from tandem.engine.remote_client import (
     RECONNECT_TIMEOUT_S,
     EngineCoreAwayError,
@@ -251,12 +251,14 @@ class RayEngines:
         self.secret = secrets.token_hex(32).encode()  # NOTE: per server; only its actors learn it
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
-            handler = signal.getsignal(signal.SIGTERM)
-            _join(ray, parallel.ray_address)
-            if handler is not None and threading.current_thread() is threading.main_thread():
-                # NOTE: ray.init sets a SIGTERM handler that exits with code 15; the server's own (a graceful
-                # shutdown, exit code 0) must stay.
-                signal.signal(signal.SIGTERM, handler)
+            # NOTE: ray.init sets a SIGTERM handler that exits with code 15; the server's own (a graceful
+            # shutdown, exit code 0) must stay, and a signal during ray.init acts once it has returned.
+            with deferred_signals(ray) as received:
+                _join(ray, parallel.ray_address)
+            if received:
+                ray.shutdown()
+                signal.raise_signal(received[0])  # NOTE: the server's own handler acts on it (SystemExit(0))
+                raise SystemExit(0)  # NOTE: a handler that did not end the start-up: Ray is gone all the same
         cpus = config.num_threads or max(1, int(ray.cluster_resources().get("CPU", 1)) // self.dp)
         # NOTE: Ray places the actor; pinning to core ids here would be guesswork about its node.
         self.config = dataclasses.replace(config, num_threads=cpus, cpu_bind="none")
@@ -313,7 +315,10 @@ class RayEngines:
                 client.close()
             raise
         self.actor_pids = [(c.core_host, c.core_pid) for c in clients]
-        self.cluster = ClusterWatch(ray, ray.get_runtime_context().gcs_address, self._rejoin if self.rejoins else None)
+        local = self._local_node() is not None
+        self.cluster = ClusterWatch(ray, ray.get_runtime_context().gcs_address, self._rejoin if self.rejoins else None,
+                                    self._local_raylet_exited if local else None,
+                                    self._stop_orphaned_local_cluster if local else None)
         self.cluster.start()
         return clients
 
@@ -396,12 +401,22 @@ class RayEngines:
         first and, while the calls run, by ``_CloseWatch``: once it has exited (or after
         ``CLOSE_TIMEOUT_S``) the cluster's processes and the actors are killed directly
         (``_stop_orphaned_local_cluster``) and the process exits with code 0 at once (the server has
-        drained; a normal exit would run Ray's core worker teardown, which crashed with SIGSEGV then)."""
+        drained; a normal exit would run Ray's core worker teardown, which crashed with SIGSEGV then).
+        A SIGTERM or SIGINT meanwhile is logged and changes nothing (it killed the server with 143 before)."""
+        logger.info("stopping the Ray engine actors")
+        with deferred_signals(self.ray, "the Ray engine actors stop", "the server exits once they have"):
+            self._close()
+
+    def _close(self) -> None:
         if self.cluster is not None:
             self.cluster.close()
+            if self.cluster.orphaned:
+                exit_now(0)  # NOTE: the local cluster is stopped already; see below for why no normal exit
             if self.cluster.lost is not None:
                 return
         if self._local_raylet_exited():
+            logger.warning("the local Ray cluster's raylet has exited (a signal to the server's whole process "
+                           "group?): stopping its processes and the engine actors without Ray calls")
             self._stop_orphaned_local_cluster()
             exit_now(0)  # NOTE: a normal exit runs Ray's core worker teardown, which crashed (SIGSEGV) here
         watch = _CloseWatch(self) if self._local_node() is not None else None
@@ -438,8 +453,6 @@ class RayEngines:
         process on this host (its recorded pid, if that process is still a Ray worker), then to the
         cluster's other processes (GCS, monitors; Ray's own ``kill_all_processes``, which reaps them), and
         drops Ray's exit hook, whose ``ray.shutdown`` would wait on the raylet too. Changes: processes."""
-        logger.warning("the local Ray cluster's raylet has exited (a signal to the whole process group?): "
-                       "stopping its processes and the engine actors without Ray calls")
         host = socket.gethostname()
         for actor_host, pid in self.actor_pids:
             if pid is not None and actor_host in (None, host) and _is_ray_worker(pid):
@@ -479,8 +492,10 @@ class _CloseWatch:
             if late or not self.shutting_down and self.engines._local_raylet_exited():
                 if self._stop.is_set():
                     return
-                if late:
-                    logger.warning("leaving the local Ray cluster took over %.0f s", CLOSE_TIMEOUT_S)
+                logger.warning("%s: stopping its processes and the engine actors without Ray calls",
+                               f"leaving the local Ray cluster took over {CLOSE_TIMEOUT_S:.0f} s" if late else
+                               "the local Ray cluster's raylet has exited (a signal to the server's whole "
+                               "process group?)")
                 self.engines._stop_orphaned_local_cluster()
                 exit_now(0)
                 return

@@ -110,5 +110,8 @@ def run_gateway(config: GatewayConfig, log_level: str = "warning") -> None:
     """Serves the gateway with uvicorn on `config.host:config.port` until interrupted."""
     import uvicorn
 
+    from tandem.server.signals import exit_zero_on_signals
+
+    exit_zero_on_signals()  # NOTE: uvicorn raises the signal again after its graceful shutdown: exit 0, not 143
     uvicorn.run(build_gateway_app(config), host=config.host, port=config.port, log_level=log_level.lower(),
                 timeout_graceful_shutdown=5)

@@ -168,7 +168,7 @@ class RouterService:
         self.router = Router(cfg, self.backends, make_policy(cfg.policy, cfg.beta, cfg.min_match), reader, self.client,
                              self.metrics)
         self._health_task = asyncio.get_running_loop().create_task(self._health_loop(), name="router-health")
-        logger.info("router: %d backends, policy %s, block size %d, tokenizer %s", len(self.backends), cfg.policy,
+        logger.info("router: %s, policy %s, block size %d, tokenizer %s", _backends(len(self.backends)), cfg.policy,
                     block_size, "yes" if tokenizer is not None else "none")
 
     def _ejected(self, url: str):
@@ -196,10 +196,10 @@ class RouterService:
         ejected = b.health.state is HealthState.EJECTED
         if ejected and not b.health.due_probe:
             return
-        ok, reason = await b.probe(self.client)
+        ok, reason, silent = await b.probe(self.client)
         if not ok:
             self.metrics.errors.labels(b.url, "probe").inc()
-        b.health.on_probe(ok, reason)
+        b.health.on_probe(ok, reason, silent)
         if ok and (ejected or not b.answered_load):
             await self._rediscover(b)
 
@@ -286,7 +286,9 @@ def build_app(service: RouterService) -> FastAPI:
 
     @app.get("/backends")
     async def backends() -> JSONResponse:
-        return JSONResponse({"policy": service.config.policy, "backends": service.describe()})
+        cfg = service.config
+        knobs = {"kv_beta": cfg.beta, "kv_min_match": cfg.min_match} if cfg.policy == "kv-aware" else {}
+        return JSONResponse({"policy": cfg.policy, **knobs, "backends": service.describe()})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -307,7 +309,11 @@ def run_router(config: RouterConfig, log_level: str = "info") -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # NOTE: not a line per proxied request
     service = RouterService(config, tokenizer=load_router_tokenizer(config))
     return serve_router_app(build_app(service), config.host, config.port, log_level, lambda: (
-        f"{len(service.backends)} backends, policy {config.policy}, block size {service.block_size}"))
+        f"{_backends(len(service.backends))}, policy {config.policy}, block size {service.block_size}"))
+
+
+def _backends(n: int) -> str:
+    return f"{n} backend" if n == 1 else f"{n} backends"
 
 
 def serve_router_app(app: FastAPI, host: str, port: int, log_level: str, describe: Callable[[], str]) -> int:
@@ -324,7 +330,10 @@ def serve_router_app(app: FastAPI, host: str, port: int, log_level: str, describ
                 print(f"tandem router: listening on http://{host}:{bound} ({describe()})", file=sys.stderr,
                       flush=True)
 
+    from tandem.server.signals import exit_zero_on_signals
+
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                                     timeout_graceful_shutdown=5))
+    exit_zero_on_signals()  # NOTE: uvicorn raises the signal again after its graceful shutdown: exit 0, not 143
     server.run()
     return 0 if server.started else 1

@@ -46,7 +46,8 @@ class HttpBackend:
         load: its last ``/load`` answer (Tandem only; None for other servers or before discovery).
         busy_until: monotonic time until which it is skipped after answering 429 (its ``Retry-After``).
         waiting: the requests sent to it that wait for their first response byte (``FirstByteWait``);
-            an ejection cuts them short, so they are retried elsewhere instead of waiting on a hung server.
+            a silent ejection (``health.py``: it stopped answering) cuts them short, so they are retried
+            elsewhere instead of waiting on a hung server; after a refusal (a draining server) they wait on.
     """
 
     def __init__(self, url: str, config: RouterConfig, on_eject: Callable[[str], None],
@@ -72,8 +73,9 @@ class HttpBackend:
 
     def _ejected(self, reason: str) -> None:
         self._on_eject(reason)
-        for wait in list(self.waiting):
-            wait.cut()
+        if self.health.last_silent:
+            for wait in list(self.waiting):
+                wait.cut()
 
     @property
     def busy(self) -> bool:
@@ -138,13 +140,14 @@ class HttpBackend:
         current = self.subscriber.endpoint if self.subscriber is not None else None
         return (found[0] if found is not None else None) != current
 
-    async def probe(self, client: httpx.AsyncClient) -> tuple[bool, str]:
-        """One active ``GET /health``: (ok, reason). No state changes (the caller reports to ``health``)."""
+    async def probe(self, client: httpx.AsyncClient) -> tuple[bool, str, bool]:
+        """One active ``GET /health``: (ok, reason, silent: it timed out). No state changes (the caller
+        reports to ``health``)."""
         try:
             r = await client.get(f"{self.url}/health", timeout=self._probe_timeout)
         except httpx.HTTPError as e:
-            return False, f"health check: {type(e).__name__}: {e}"
-        return r.status_code == 200, f"health check answered {r.status_code}"
+            return False, f"health check: {type(e).__name__}: {e}", isinstance(e, httpx.TimeoutException)
+        return r.status_code == 200, f"health check answered {r.status_code}", False
 
     def describe(self, hit_rate: float | None) -> dict[str, Any]:
         """The JSON-ready view for ``GET /backends``. No state changes."""

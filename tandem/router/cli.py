@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from tandem.router.config import RouterConfig
 from tandem.router.policy import DEFAULT_BETA, DEFAULT_MIN_MATCH, DEFAULT_POLICY, POLICIES
@@ -18,8 +19,8 @@ def _kv_events_pair(text: str) -> tuple[str, str]:
 
 RETRY_RULES = (
     "Retries over --backend servers: a request that fails before its first response byte reached the client "
-    "(a connect error, a 5xx, no byte within --first-byte-timeout, or its backend ejected, e.g. by a timed-out "
-    "/health probe, while it waited) is retried once on another healthy backend; a backend's 429 sends it to "
+    "(a connect error, a 5xx, no byte within --first-byte-timeout, or its backend ejected for silence, e.g. by a "
+    "timed-out /health probe, while it waited) is retried once on another healthy backend; a backend's 429 sends it to "
     "the next one (not a retry). A stream that breaks later is not retried: it ends with an SSE error event "
     "and [DONE]. With no backend left the router answers 429 with Retry-After (all full), 502 (the attempts "
     "failed) or 503 with Retry-After (none healthy), as OpenAI error JSON.")
@@ -35,9 +36,9 @@ def add_router_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--port", type=int, default=8080)
     r.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICIES,
                    help=f"routing policy (default {DEFAULT_POLICY})")
-    r.add_argument("--kv-beta", type=float, default=DEFAULT_BETA,
+    r.add_argument("--kv-beta", type=float, default=None,
                    help=f"kv-aware: weight of the relative load against the cached fraction (default {DEFAULT_BETA})")
-    r.add_argument("--kv-min-match", type=float, default=DEFAULT_MIN_MATCH, metavar="FRACTION",
+    r.add_argument("--kv-min-match", type=float, default=None, metavar="FRACTION",
                    help="kv-aware: a backend's cached fraction of the prompt below this counts as 0, so a "
                         f"small match does not outweigh load (0-1; default {DEFAULT_MIN_MATCH})")
     r.add_argument("--tokenizer", default=None, metavar="PATH",
@@ -73,9 +74,18 @@ def add_router_parser(sub) -> argparse.ArgumentParser:
 
 
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
-    """The frozen RouterConfig of the parsed flags (validation happens in the dataclass)."""
+    """The frozen RouterConfig of the parsed flags (validation happens in the dataclass). ``--kv-beta`` and
+    ``--kv-min-match`` given with another policy than kv-aware are checked, and ignored with a warning on
+    stderr."""
+    given = [flag for flag, value in (("--kv-beta", args.kv_beta), ("--kv-min-match", args.kv_min_match))
+             if value is not None]
+    if given and args.policy != "kv-aware":
+        print(f"tandem router: warning: {' and '.join(given)} only apply to --policy kv-aware; ignored with "
+              f"--policy {args.policy}", file=sys.stderr)
     return RouterConfig(
-        backends=tuple(args.backend), policy=args.policy, beta=args.kv_beta, min_match=args.kv_min_match,
+        backends=tuple(args.backend), policy=args.policy,
+        beta=DEFAULT_BETA if args.kv_beta is None else args.kv_beta,
+        min_match=DEFAULT_MIN_MATCH if args.kv_min_match is None else args.kv_min_match,
         tokenizer=args.tokenizer,
         chat_template=args.chat_template, block_size=args.block_size, kv_events=tuple(args.kv_events),
         max_outstanding_per_backend=args.max_outstanding_per_backend, health_interval_s=args.health_interval,

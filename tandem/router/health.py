@@ -16,6 +16,13 @@ States (``HealthState``), as in a circuit breaker (Envoy's outlier detection, Ny
   is in flight) makes it ``HEALTHY`` and resets the backoff; any failure ejects it again with a
   doubled backoff.
 
+An ejection is *silent* (``silent``, the default) when the backend stopped answering: a timed-out
+``/health`` probe or connect, first-byte timeouts (a SIGSTOPped or hung server). The router then cuts short
+the requests still waiting there for their first byte and retries them elsewhere. An ejection for a refusal
+(connection refused, an error status) is not silent: the requests it accepted before keep waiting, since a
+server that drains (SIGTERM: it stops listening and finishes what it has) answers them, and a dead one
+breaks their connections, which retries them anyway (``last_silent``).
+
 ``BackendHealth`` changes the ``BackendState`` it was given (``healthy``, ``probation``) and counts
 ``ejections``; every method says what it changes.
 """
@@ -71,19 +78,22 @@ class BackendHealth:
         self.backoff_s = eject_s
         self.ejected_until = 0.0
         self.last_error: str | None = None
+        self.last_silent = False  # the last ejection was for silence (see the module doc)
 
     def _set(self, state: HealthState) -> None:
         self.state = state
         self.backend.healthy = state is not HealthState.EJECTED
         self.backend.probation = state is HealthState.HALF_OPEN
 
-    def eject(self, reason: str) -> None:
+    def eject(self, reason: str, silent: bool = True) -> None:
         """Stops routing to the backend for ``backoff_s`` seconds (doubled after a half-open failure,
         and after a failed probe of an ejected backend whose time was up: that one is not counted as
         a new ejection). A failure reported while the backend is ejected and not yet due changes only
-        ``last_error``.
+        ``last_error``. ``silent``: the backend stopped answering (see the module doc), set as
+        ``last_silent`` before ``on_eject`` runs.
 
-        Changes: state, ``ejections``, ``backoff_s``, ``ejected_until``, ``last_error``, ``backend.healthy``.
+        Changes: state, ``ejections``, ``backoff_s``, ``ejected_until``, ``last_error``, ``last_silent``,
+        ``backend.healthy``.
         """
         if self.state is HealthState.EJECTED:
             self.last_error = reason
@@ -97,6 +107,7 @@ class BackendHealth:
             self.backoff_s = min(self.backoff_s * 2, self.max_eject_s)
         self.ejections += 1
         self.last_error = reason
+        self.last_silent = silent
         self.ejected_until = self._clock() + self.backoff_s
         self.consecutive_failures = 0
         logger.warning("backend %s ejected for %.1f s: %s", self.backend.name, self.backoff_s, reason)
@@ -104,24 +115,25 @@ class BackendHealth:
         if self._on_eject is not None:
             self._on_eject(reason)
 
-    def on_connect_error(self, reason: str) -> None:
-        """A request or probe could not reach the backend: ejects it. Changes: see ``eject``."""
-        self.eject(reason)
+    def on_connect_error(self, reason: str, silent: bool = True) -> None:
+        """A request or probe could not reach the backend (``silent``: it timed out, else it was refused or
+        broken): ejects it. Changes: see ``eject``."""
+        self.eject(reason, silent)
 
     def on_response(self, status: int) -> None:
         """A response's status: 5xx is a passive failure (``on_failure``); anything else is a success (a
         4xx is the client's doing, a 429 the backend's load: both show it alive). Changes: see ``on_failure``."""
         if status >= 500:
-            self.on_failure(f"answered {status}")
+            self.on_failure(f"answered {status}", silent=False)
             return
         self.on_success()
 
-    def on_failure(self, reason: str) -> None:
-        """A passive failure (a 5xx answer, no first byte in time): ejects the backend at the
+    def on_failure(self, reason: str, silent: bool = True) -> None:
+        """A passive failure (a 5xx answer: not ``silent``; no first byte in time): ejects the backend at the
         ``failure_threshold``-th in a row, or at once when half-open. Changes: the failure count, state."""
         self.consecutive_failures += 1
         if self.state is HealthState.HALF_OPEN or self.consecutive_failures >= self.failure_threshold:
-            self.eject(f"{self.consecutive_failures} consecutive failures, the last: {reason}")
+            self.eject(f"{self.consecutive_failures} consecutive failures, the last: {reason}", silent)
 
     def on_success(self) -> None:
         """The backend answered well: a half-open backend becomes healthy. Changes: state, backoff, 5xx count."""
@@ -136,13 +148,14 @@ class BackendHealth:
         """True when an ejected backend's time is up and the active checker should probe it."""
         return self.state is HealthState.EJECTED and self._clock() >= self.ejected_until
 
-    def on_probe(self, ok: bool, reason: str = "") -> None:
+    def on_probe(self, ok: bool, reason: str = "", silent: bool = True) -> None:
         """The result of an active ``/health`` check. An ejected backend whose time is up goes half-open
         on success; a half-open one with no trial request in flight becomes healthy (with one in flight,
         the trial decides); a healthy one keeps its failure count (NOTE: only a request's success clears
-        it: ``/health`` may pass while every request hangs); a failure ejects. Changes: state (see above)."""
+        it: ``/health`` may pass while every request hangs); a failure ejects (``silent``: the probe timed
+        out). Changes: state (see above)."""
         if not ok:
-            self.eject(reason or "health check failed")
+            self.eject(reason or "health check failed", silent)
         elif self.state is HealthState.EJECTED:
             if self.due_probe:
                 logger.info("backend %s passed its probe: half-open", self.backend.name)

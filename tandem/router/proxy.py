@@ -8,10 +8,11 @@ One request's path:
    retried **once** on another backend: a connect error (refused, reset, no response, a body that
    breaks before its first chunk; it ejects the backend), a 5xx status or no first byte within
    ``--first-byte-timeout`` (passive failures: ``--failure-threshold`` in a row eject it), or the
-   backend ejected (e.g. by a ``/health`` probe that timed out on a SIGSTOPped server) while the
-   request waited: every request waiting on it is cut short at once and retried (the first-byte
-   timeout is Envoy's per-try timeout; SGLang's and vLLM's routers also retry a failed request on
-   another worker). A 429
+   backend ejected for silence (a ``/health`` probe or connect that timed out, e.g. on a SIGSTOPped
+   server) while the request waited: every request waiting on it is cut short at once and retried (the
+   first-byte timeout is Envoy's per-try timeout; SGLang's and vLLM's routers also retry a failed request
+   on another worker). An ejection for a refusal (a draining server stops listening) leaves the requests
+   it accepted waiting for its answer (``health.py``). A 429
    marks that backend busy for its ``Retry-After`` and the request tries the next one (not counted as
    a retry). After the first chunk nothing is retried: a stream that breaks later ends with an SSE
    error event and ``data: [DONE]`` (a non-SSE body: the connection drops), and the backend is ejected.
@@ -217,7 +218,7 @@ class Router:
             backend.health.on_failure(reason)
             return f"{backend.url}: {reason}"
         self.metrics.errors.labels(backend.url, "connect").inc()
-        backend.health.on_connect_error(f"{type(e).__name__}: {e}")
+        backend.health.on_connect_error(f"{type(e).__name__}: {e}", silent=isinstance(e, httpx.TimeoutException))
         return f"{backend.url}: {type(e).__name__}: {e}".rstrip(": ")
 
     def _busy(self, backend: HttpBackend, opened: _Opened, ticket: Ticket) -> Response:
@@ -319,7 +320,8 @@ class Router:
 
     def _broken(self, backend: HttpBackend, e: Exception) -> None:
         self.metrics.errors.labels(backend.url, "stream").inc()
-        backend.health.on_connect_error(f"response broken: {type(e).__name__}: {e}")
+        backend.health.on_connect_error(f"response broken: {type(e).__name__}: {e}",
+                                        silent=isinstance(e, httpx.TimeoutException))
 
     def _observe_usage(self, backend: HttpBackend, body: bytes, ticket: Ticket) -> None:
         """Corrects an approximate index from ``usage.prompt_tokens_details.cached_tokens``, if reported."""

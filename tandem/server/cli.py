@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import socket
 import sys
 import time
@@ -32,6 +31,7 @@ from tandem.config import (
     ParallelConfig,
     ServerConfig,
 )
+from tandem.server.signals import exit_zero_on_signals
 
 logger = logging.getLogger(__name__)
 
@@ -101,12 +101,6 @@ def kv_ports_error(kv: KVTransferConfig | None) -> str | None:
             return (f"cannot bind the KV transfer port {kv.kv_ip}:{port} (--kv-transfer-config {name}): "
                     f"{e.strerror or e}")
     return None
-
-
-def _exit_on_signal(signum: int, frame: FrameType | None) -> None:
-    # NOTE: active while loading and after uvicorn's drain; uvicorn re-raises the signal it caught
-    # once it has shut down gracefully, and that shutdown is a success, so the exit code is 0.
-    raise SystemExit(0)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -222,8 +216,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, log_level: s
     from tandem.worker.cpu_env import allowed_cpus, plan_cpus
 
     t0 = time.monotonic()
-    signal.signal(signal.SIGTERM, _exit_on_signal)
-    signal.signal(signal.SIGINT, _exit_on_signal)
+    exit_zero_on_signals()  # NOTE: while loading and after uvicorn's drain (server/signals.py)
     logging.getLogger("tandem.requests").setLevel(logging.INFO)
     dp = parallel_config is not None and (parallel_config.data_parallel_size > 1
                                           or parallel_config.data_parallel_backend == "ray")

@@ -70,6 +70,44 @@ def test_a_refused_gcs_loses_a_local_cluster_for_good(fast, caplog):
     assert [r.getMessage() for r in caplog.records] == [watch.lost]
 
 
+def test_a_local_cluster_whose_raylet_exited_is_stopped_without_ray_calls_at_once(fast, caplog):
+    """A group SIGTERM ends the local raylet while streams still run: the watch notices within a check (the GCS
+    still answers here), stops the cluster's processes itself and never calls Ray (ray.shutdown waited on the
+    dead raylet: 20 s to exit, after a misleading ERROR)."""
+    exited, stopped = [False], []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+        watch = ClusterWatch(FakeRay(), address, None, lambda: exited[0], lambda: stopped.append(True))
+        with caplog.at_level(logging.WARNING, logger="tandem.engine.ray_cluster"):
+            watch.start()
+            time.sleep(0.1)
+            assert watch.lost is None and not stopped  # the raylet runs: nothing happens
+            exited[0] = True
+            _until(lambda: watch.lost is not None, "lost")
+            watch.close()
+    assert (watch.orphaned, stopped, watch.ray.shutdowns) == (True, [True], 0)
+    assert watch.lost == ("the local Ray cluster's raylet has exited (a signal to the server's whole process group, "
+                          "or the raylet was killed): its engine actors are lost; the server answers 503 until it "
+                          "is restarted")
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", f"{watch.lost}; stopping the cluster's processes and the engine actors without Ray calls")]
+
+
+def test_a_local_cluster_whose_gcs_is_lost_is_stopped_without_ray_calls(fast, caplog):
+    stopped = []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"  # NOTE: refused
+        watch = ClusterWatch(FakeRay(), address, None, lambda: False, lambda: stopped.append(True))
+        watch.start()
+        _until(lambda: watch.lost is not None, "lost")
+        watch.close()
+    assert (watch.orphaned, stopped, watch.ray.shutdowns) == (True, [True], 0)
+    assert watch.lost.startswith(f"the Ray cluster at {address} is unreachable (ConnectionRefusedError")
+
+
 def test_a_cluster_joined_at_an_address_is_joined_again_once_its_gcs_answers(fast, caplog):
     rejoins = []
     with socket.socket() as s:
@@ -159,6 +197,27 @@ def test_import_ray_names_this_process_as_the_raylet_while_ray_reads_its_config(
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "None", "False"]
+
+
+def test_import_ray_turns_off_rays_failure_signal_handler_which_reset_sigterm_on_shutdown():
+    """Ray's C++ failure-signal handler, installed with the driver's core worker, put SIGTERM back to its default
+    action in ray.shutdown: a second SIGTERM while the server stopped killed it (143). The variable is read at
+    import and restored after it (the live case: test_ray_local_sigterm)."""
+    pytest.importorskip("ray", reason="ray is not installed (pip install 'tandem[ray]')")
+    code = ("import os, signal\n"
+            "from tandem.engine import ray_cluster\n"
+            "ray = ray_cluster.import_ray()\n"
+            "signal.signal(signal.SIGTERM, lambda *a: None)\n"
+            "ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)\n"
+            "signal.signal(signal.SIGTERM, lambda *a: None)\n"
+            "ray.shutdown()\n"
+            "caught = [int(line.split()[1], 16) for line in open('/proc/self/status') if line.startswith('SigCgt')]\n"
+            "print(bool(caught[0] >> (signal.SIGTERM - 1) & 1),\n"
+            "      os.environ.get('RAY_DISABLE_FAILURE_SIGNAL_HANDLER'))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "RAY_ADDRESS")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["True", "None"]
 
 
 def test_ray_would_exit_follows_rays_own_test(monkeypatch):

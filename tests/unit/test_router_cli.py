@@ -141,3 +141,26 @@ def test_first_byte_timeout_flag_maps_onto_the_config_and_zero_turns_it_off():
     assert RouterConfig(backends=("http://a:1",), first_byte_timeout_s=0.0).first_byte_timeout_s == 0.0
     text = " ".join(router.format_help().split())
     assert "--first-byte-timeout SECONDS" in text and "is retried once on another healthy backend" in text
+
+
+def test_kv_flags_apply_to_kv_aware_and_are_ignored_with_a_warning_otherwise(capsys):
+    import argparse
+
+    from tandem.router.cli import add_router_parser, router_config_from_args
+    from tandem.router.policy import DEFAULT_BETA, DEFAULT_MIN_MATCH
+
+    parser = argparse.ArgumentParser()
+    add_router_parser(parser.add_subparsers())
+    parse = parser.parse_args
+    config = router_config_from_args(parse(["router", "--backend", "http://a:1", "--kv-min-match", "0.5"]))
+    assert (config.policy, config.beta, config.min_match) == ("kv-aware", DEFAULT_BETA, 0.5)
+    assert capsys.readouterr().err == ""
+    config = router_config_from_args(parse(["router", "--backend", "http://a:1", "--policy", "round-robin",
+                                            "--kv-min-match", "0.5", "--kv-beta", "2"]))
+    assert (config.beta, config.min_match) == (2.0, 0.5)  # checked all the same; round-robin reads neither
+    assert capsys.readouterr().err == ("tandem router: warning: --kv-beta and --kv-min-match only apply to "
+                                       "--policy kv-aware; ignored with --policy round-robin\n")
+    config = router_config_from_args(parse(["router", "--backend", "http://a:1", "--policy", "least-load"]))
+    assert (config.beta, config.min_match) == (DEFAULT_BETA, DEFAULT_MIN_MATCH) and capsys.readouterr().err == ""
+    with pytest.raises(ConfigError, match="--kv-min-match must be in 0-1, got -1.0"):
+        router_config_from_args(parse(["router", "--backend", "http://a:1", "--kv-min-match", "-1"]))

@@ -123,7 +123,7 @@ async def test_timeouts_eject_at_the_failure_threshold():
 
 
 async def test_an_ejection_cuts_every_request_waiting_on_the_backend_and_each_is_retried():
-    """No first-byte timeout: the requests hung on A wait until A's /health check fails, then go to B."""
+    """No first-byte timeout: the requests hung on A wait until A's /health check times out, then go to B."""
     fakes, hang = Fakes(), Hang()
     fakes.script = {A: hang, B: ok}
     service, client = await _start(fakes, A, B, policy="round-robin", first_byte_timeout_s=0.0)
@@ -138,9 +138,9 @@ async def test_an_ejection_cuts_every_request_waiting_on_the_backend_and_each_is
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.2)
     assert not waiting[0].done() and not waiting[2].done()  # no timeout: they would wait for A
-    fakes.down = {A}
+    fakes.silent = {A}
     t0 = time.monotonic()
-    await service._check(a)  # the health task's probe of A fails: A is ejected
+    await service._check(a)  # the health task's probe of A times out: A is ejected, for silence
     done = await asyncio.wait_for(asyncio.gather(*waiting), LIMIT_S)
     assert time.monotonic() - t0 < LIMIT_S
     assert [r.status_code for r in done] == [200, 200, 200] and [r.headers["x-backend"] for r in done] == ["b"] * 3
@@ -149,6 +149,36 @@ async def test_an_ejection_cuts_every_request_waiting_on_the_backend_and_each_is
     assert _delta(before, await _metrics(client)) == {
         _per("requests", A): 2, _per("requests", B): 3, _errors(A, "ejected"): 2, _errors(A, "probe"): 1,
         _per("ejections", A): 1, RETRIES: 2}
+    await _stop(service, client)
+
+
+async def test_a_draining_backend_ejected_by_a_refused_probe_still_answers_the_requests_it_accepted():
+    """SIGTERM to a backend: it stops listening (its probe is refused: ejected) and finishes the requests it
+    has. Those keep waiting for its answers, even with no other backend to retry on (they got 503 before);
+    a new request gets the router's 503 at once."""
+    fakes, hang = Fakes(), Hang()
+    fakes.script = {A: hang}
+    service, client = await _start(fakes, A, policy="round-robin", first_byte_timeout_s=0.0)
+    waiting = [asyncio.create_task(client.post("/v1/completions", json={**BODY, "n": i})) for i in range(3)]
+    a = service.backends[0]
+    while len(a.waiting) < 3:
+        await asyncio.sleep(0.01)
+    before = await _metrics(client)
+    fakes.down = {A}
+    await service._check(a)
+    assert (a.health.state, a.health.last_silent) == (HealthState.EJECTED, False)
+    await asyncio.sleep(0.2)
+    assert not any(t.done() for t in waiting) and len(a.waiting) == 3
+    late = await asyncio.wait_for(client.post("/v1/completions", json=BODY), LIMIT_S)
+    assert late.status_code == 503 and "retry-after" in late.headers
+    hang.release.set()
+    done = await asyncio.wait_for(asyncio.gather(*waiting), LIMIT_S)
+    assert [r.status_code for r in done] == [200] * 3
+    assert [r.json()["echo"]["n"] for r in done] == [0, 1, 2] and hang.cancelled == 0 and not a.waiting
+    assert fakes.posts() == [A] * 3
+    assert _delta(before, await _metrics(client)) == {
+        _errors(A, "probe"): 1, _per("ejections", A): 1, _rejected("503"): 1}
+    assert a.state.outstanding_requests == 0
     await _stop(service, client)
 
 

@@ -59,12 +59,15 @@ class Fakes:
         self.script = {}
         self.load = load
         self.down: set[str] = set()  # backends that refuse connections
+        self.silent: set[str] = set()  # backends whose new requests time out (hung: SIGSTOPped)
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         base = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
         self.calls.append((base, request.url.path))
         if base in self.down:
             raise httpx.ConnectError("connection refused", request=request)
+        if base in self.silent:
+            raise httpx.ReadTimeout("timed out", request=request)
         if request.url.path == "/health":
             return httpx.Response(200)
         if request.url.path == "/load":
@@ -118,7 +121,9 @@ async def test_bodies_and_headers_pass_through_and_a_connect_error_is_retried_on
     assert "tandem_router:retries_total 1.0" in metrics
     assert 'tandem_router:errors_total{backend="http://a:1",kind="connect"} 1.0' in metrics
     assert 'tandem_router:requests_total{backend="http://b:1"} 2.0' in metrics
-    info = (await client.get("/backends")).json()["backends"]
+    answer = (await client.get("/backends")).json()
+    assert {k: answer[k] for k in answer if k != "backends"} == {"policy": "least-load"}
+    info = answer["backends"]
     assert [(x["url"], x["state"], x["outstanding_requests"]) for x in info] == [
         (A, "ejected", 0), (B, "healthy", 0)]
     await _stop(service, client)
@@ -246,7 +251,9 @@ async def test_kv_aware_keeps_a_shared_prefix_on_one_backend_without_events():
     assert other.status_code == 200
     first = fakes.posts()[0]
     assert fakes.posts()[:3] == [first] * 3
-    info = {x["url"]: x for x in (await client.get("/backends")).json()["backends"]}
+    answer = (await client.get("/backends")).json()
+    assert (answer["policy"], answer["kv_beta"], answer["kv_min_match"]) == ("kv-aware", 0.5, 0.3)
+    info = {x["url"]: x for x in answer["backends"]}
     assert info[first]["index"] == "approximate"
     unrelated = hash_token_blocks(tok(tok.apply_chat_template([{"role": "user", "content": "unrelated"}]))[
         "input_ids"], 4)
