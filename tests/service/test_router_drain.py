@@ -1,16 +1,20 @@
 """`tandem router` in front of one `tandem serve` that shuts down gracefully (SIGTERM): the backend stops
 listening, so the router's probe is refused and ejects it, but the requests it had accepted must still get
 its answers through the router (8 of 12 got 503 before: the ejection cut them short with nowhere to retry).
-Also: `tandem router` itself exits with code 0 on SIGTERM and on SIGINT (143 and a traceback before)."""
+Also: `tandem router` and `tandem gateway` exit with code 0 on SIGTERM and on SIGINT (143 and a traceback
+before)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
-from live_server import MODEL, RouterProcess, Server
+import pytest
+from live_server import MODEL, ROOT, RouterProcess, Server, free_port
 
 BODY = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
 N = 6
@@ -54,16 +58,36 @@ def test_requests_a_draining_backend_accepted_complete_through_the_router(storie
     assert "Traceback" not in router.log()
 
 
-def test_the_router_exits_0_on_sigint(tmp_path):
-    router = RouterProcess(["http://127.0.0.1:9"], tmp_path / "router.log", "--policy", "round-robin")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("command", ["router", "gateway"])
+def test_router_and_gateway_exit_0_on_a_signal(command, sig, tmp_path):
+    """uvicorn raises the signal again after its graceful shutdown: with the default handlers that was exit 143
+    (SIGTERM) or a KeyboardInterrupt traceback (SIGINT)."""
+    port = free_port()
+    flags = (["router", "--backend", "http://127.0.0.1:9", "--policy", "round-robin"] if command == "router" else
+             ["gateway", "--primary", "http://127.0.0.1:9"])
+    log_path = tmp_path / f"{command}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *flags, "--port", str(port)], cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while not _listening(port):  # NOTE: the router's /health is 503 here (no backend answers)
+                assert time.monotonic() < deadline and proc.poll() is None, log_path.read_text()[-2000:]
+                time.sleep(0.05)
+            proc.send_signal(sig)
+            code = proc.wait(30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert code == 0, log_path.read_text()[-2000:]
+    assert "Traceback" not in log_path.read_text()
+
+
+def _listening(port: int) -> bool:
     try:
-        deadline = time.monotonic() + 120
-        while "tandem router: listening on" not in router.log():  # NOTE: no backend answers: /health is 503
-            assert time.monotonic() < deadline and router.proc.poll() is None, router.log()[-2000:]
-            time.sleep(0.05)
-        router.proc.send_signal(signal.SIGINT)
-        code = router.proc.wait(30)
-    finally:
-        router.stop()
-    assert code == 0, router.log()[-2000:]
-    assert "Traceback" not in router.log()
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0)
+    except httpx.HTTPError:
+        return False
+    return True
