@@ -160,8 +160,8 @@ class RouterService:
         self.block_size = block_size = cfg.block_size or (sizes[0] if sizes else DEFAULT_BLOCK_SIZE)
         for b in self.backends:
             b.configure(block_size)
-            if b.subscriber is not None:
-                b.subscriber.start()
+            for sub in b.subscribers:
+                sub.start()
         self.metrics = RouterMetrics([b.state for b in self.backends])
         tokenizer = self._tokenizer if self._tokenizer is not None else await self._load_tokenizer()
         reader = PromptReader(tokenizer, block_size, router_chat_template(cfg))
@@ -214,12 +214,13 @@ class RouterService:
         restarted = before is not None and b.load.get("instance_id") != before
         if not (restarted or b.events_moved()):
             return
-        if b.subscriber is not None:
-            await b.subscriber.close()
+        for sub in b.subscribers:
+            await sub.close()
         b.configure(self.block_size)
-        if b.subscriber is not None:
-            logger.info("backend %s: KV events now from %s", b.url, b.subscriber.endpoint)
-            b.subscriber.start()
+        if b.subscribers:
+            logger.info("backend %s: KV events now from %s", b.url, ", ".join(sub.endpoint for sub in b.subscribers))
+        for sub in b.subscribers:
+            sub.start()
 
     async def stop(self) -> None:
         """Stops the health task and the subscribers, closes the client."""
@@ -227,8 +228,8 @@ class RouterService:
             self._health_task.cancel()
             await asyncio.gather(self._health_task, return_exceptions=True)
         for b in self.backends:
-            if b.subscriber is not None:
-                await b.subscriber.close()
+            for sub in b.subscribers:
+                await sub.close()
         await self.client.aclose()
 
     async def models(self) -> Response:

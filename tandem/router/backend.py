@@ -12,8 +12,13 @@ import httpx
 
 from tandem.router.config import RouterConfig
 from tandem.router.health import BackendHealth
-from tandem.router.kv_index import DEFAULT_APPROX_CAPACITY_BLOCKS, ApproxBlockIndex, EventBlockIndex
-from tandem.router.kv_subscriber import KVEventSubscriber, endpoint_from_load
+from tandem.router.kv_index import (
+    DEFAULT_APPROX_CAPACITY_BLOCKS,
+    ApproxBlockIndex,
+    EnginesBlockIndex,
+    EventBlockIndex,
+)
+from tandem.router.kv_subscriber import KVEventSubscriber, endpoints_from_load
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +46,9 @@ class HttpBackend:
 
     Attributes:
         url: its base URL. state: its ``BackendState`` (the policy's view). health: ``BackendHealth``.
-        subscriber: the KV event feed when it publishes events (then ``state.index`` is an
-            ``EventBlockIndex``), else None (an ``ApproxBlockIndex``).
+        subscribers: its KV event feeds when it publishes events: one (then ``state.index`` is an
+            ``EventBlockIndex``), or one per engine of a ``tandem serve -dp N`` (an ``EnginesBlockIndex``);
+            none: an ``ApproxBlockIndex``. ``subscriber``: the first, or None.
         load: its last ``/load`` answer (Tandem only; None for other servers or before discovery).
         busy_until: monotonic time until which it is skipped after answering 429 (its ``Retry-After``).
         waiting: the requests sent to it that wait for their first response byte (``FirstByteWait``);
@@ -64,7 +70,7 @@ class HttpBackend:
         self.health = BackendHealth(self.state, config.failure_threshold, config.eject_s, config.max_eject_s,
                                     clock, self._ejected)
         self.waiting: set[FirstByteWait] = set()
-        self.subscriber: KVEventSubscriber | None = None
+        self.subscribers: list[KVEventSubscriber] = []
         self.load: dict[str, Any] | None = None
         self.answered_load = False  # it answered GET /load at least once (any status)
         self.busy_until = 0.0
@@ -101,19 +107,32 @@ class HttpBackend:
         self.load = data if isinstance(data, dict) else None
         return self.load
 
+    @property
+    def subscriber(self) -> KVEventSubscriber | None:
+        return self.subscribers[0] if self.subscribers else None
+
     def use_events(self, endpoint: str, topic: str = "", replay_endpoint: str | None = None) -> None:
-        """Switches to an exact index fed from ``endpoint`` (the caller starts ``subscriber``). Changes:
-        ``state.index``, ``subscriber``."""
-        index = EventBlockIndex()
-        self.state.index = index
-        self.subscriber = KVEventSubscriber(endpoint, topic, index, self.url, replay_endpoint)
+        """Switches to an exact index fed from ``endpoint`` (the caller starts ``subscribers``). Changes:
+        ``state.index``, ``subscribers``."""
+        self.use_engine_events([(endpoint, topic, replay_endpoint)])
+
+    def use_engine_events(self, feeds: list[tuple[str, str, str | None]]) -> None:
+        """Switches to an exact index fed by ``feeds`` (endpoint, topic, replay endpoint): one engine's, or
+        each engine's of a data-parallel server (``EnginesBlockIndex``); the caller starts ``subscribers``.
+        Changes: ``state.index``, ``subscribers``."""
+        indexes = [EventBlockIndex() for _ in feeds]
+        self.state.index = indexes[0] if len(indexes) == 1 else EnginesBlockIndex(indexes)
+        names = [self.url] if len(feeds) == 1 else [f"{self.url} engine {rank}" for rank in range(len(feeds))]
+        self.subscribers = [KVEventSubscriber(endpoint, topic, index, name, replay)
+                            for (endpoint, topic, replay), index, name in zip(feeds, indexes, names, strict=True)]
 
     def configure(self, block_size: int) -> None:
         """Chooses the index from the discovery: events (``--kv-events`` or ``/load``'s ``kv_events``) when
         the backend's block size equals the router's, else the approximate index sized from
-        ``/load``'s ``num_kv_blocks``. Changes: ``state.index``, ``subscriber`` (not started)."""
+        ``/load``'s ``num_kv_blocks``. A data-parallel Tandem server whose every engine publishes gets one
+        subscription per engine. Changes: ``state.index``, ``subscribers`` (not started)."""
         load = self.load or {}
-        self.subscriber = None
+        self.subscribers = []
         explicit = dict(self.config.kv_events).get(self.url)
         if load.get("block_size") not in (None, block_size):
             logger.warning("backend %s has block size %s, the router %d: routing on approximate prefixes",
@@ -122,9 +141,9 @@ class HttpBackend:
             self.use_events(explicit)
             return
         else:
-            found = endpoint_from_load(load, self.url)
+            found = endpoints_from_load(load, self.url)
             if found is not None:
-                self.use_events(*found)
+                self.use_engine_events(found)
                 return
         blocks = load.get("num_kv_blocks")
         if self.config.approx_capacity_blocks is None and isinstance(blocks, int) and blocks > 0:
@@ -136,9 +155,8 @@ class HttpBackend:
         publishes no more). No state changes."""
         if dict(self.config.kv_events).get(self.url) is not None:
             return False
-        found = endpoint_from_load(self.load or {}, self.url)
-        current = self.subscriber.endpoint if self.subscriber is not None else None
-        return (found[0] if found is not None else None) != current
+        found = endpoints_from_load(self.load or {}, self.url) or []
+        return [feed[0] for feed in found] != [sub.endpoint for sub in self.subscribers]
 
     async def probe(self, client: httpx.AsyncClient) -> tuple[bool, str, bool]:
         """One active ``GET /health``: (ok, reason, silent: it timed out). No state changes (the caller
@@ -156,7 +174,9 @@ class HttpBackend:
         return {"url": self.url, "healthy": s.healthy, **self.health.describe(),
                 "outstanding_requests": s.outstanding_requests, "outstanding_tokens": s.outstanding_tokens,
                 "max_outstanding": s.max_outstanding, "busy_for_s": round(max(0.0, self.busy_until - self._clock()), 3),
-                "index": "kv-events" if self.subscriber is not None else "approximate",
-                "indexed_blocks": len(index.blocks) if isinstance(index, EventBlockIndex) else len(index),
-                "kv_events": self.subscriber.describe() if self.subscriber is not None else None,
+                "index": "kv-events" if self.subscribers else "approximate",
+                "indexed_blocks": (len(index.blocks) if isinstance(index, EventBlockIndex | EnginesBlockIndex)
+                                   else len(index)),
+                "kv_events": (None if not self.subscribers else self.subscribers[0].describe()
+                              if len(self.subscribers) == 1 else [sub.describe() for sub in self.subscribers]),
                 "routed_prefix_hit_rate": hit_rate}

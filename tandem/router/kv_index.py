@@ -175,6 +175,52 @@ class EventBlockIndex:
         self._recent.clear()
 
 
+class EnginesBlockIndex:
+    """The exact block sets of the several engines behind one backend (``tandem serve -dp N`` publishing
+    each engine's KV events: ``/load`` lists them under ``engines``), one ``EventBlockIndex`` each.
+
+    A prompt's match is its longest one on any engine, since the backend's own kv-aware router sends it to
+    the engine that holds the most of it. The router's own dispatches are pending in ``pending`` (an
+    ``EventBlockIndex`` no events feed): which engine the backend picks is not known here.
+
+    Args:
+        engines: one index per engine, in rank order (each fed by its own subscriber).
+        pending_grace_s / clock: as for ``EventBlockIndex`` (for ``pending``).
+    """
+
+    def __init__(self, engines: Sequence[EventBlockIndex], pending_grace_s: float = DEFAULT_PENDING_GRACE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.engines = list(engines)
+        self.pending = EventBlockIndex(pending_grace_s, clock)
+
+    @property
+    def blocks(self) -> set[int]:
+        """Every hash some engine announced (a new set). No state changes."""
+        return set().union(*(e.blocks for e in self.engines))
+
+    @property
+    def gaps(self) -> int:
+        return sum(e.gaps for e in self.engines)
+
+    def match(self, block_hashes: Sequence[int]) -> int:
+        """The most leading blocks of ``block_hashes`` held by one engine, or pending. No state changes."""
+        return max([self.pending.match(block_hashes), *(e.match(block_hashes) for e in self.engines)])
+
+    def on_dispatch(self, block_hashes: Sequence[int]) -> None:
+        """Counts the prompt's hashes as pending. Changes: ``pending``."""
+        self.pending.on_dispatch(block_hashes)
+
+    def on_complete(self, block_hashes: Sequence[int]) -> None:
+        """Ends one dispatch's pending hold (the grace period starts). Changes: ``pending``."""
+        self.pending.on_complete(block_hashes)
+
+    def clear(self) -> None:
+        """Forgets every engine's and every pending hash. Changes: all indexes."""
+        self.pending.clear()
+        for e in self.engines:
+            e.clear()
+
+
 class ApproxBlockIndex:
     """An LRU of the prompt blocks the router sent to one backend that publishes no events.
 

@@ -44,6 +44,20 @@ def endpoint_from_load(load: dict[str, Any], backend_url: str) -> tuple[str, str
     return None
 
 
+def endpoints_from_load(load: dict[str, Any], backend_url: str) -> list[tuple[str, str, str | None]] | None:
+    """Every KV event feed of a Tandem ``/load`` answer: the server's own (``kv_events``: one engine), else one
+    per engine when each of its ``engines`` publishes (``tandem serve -dp N --kv-events-config ...``); None
+    when there is no such feed (or an engine publishes none: its blocks would be unknown)."""
+    found = endpoint_from_load(load, backend_url)
+    if found is not None:
+        return [found]
+    engines = load.get("engines")
+    if not isinstance(engines, list) or not engines:
+        return None
+    feeds = [endpoint_from_load(e, backend_url) if isinstance(e, dict) else None for e in engines]
+    return None if None in feeds else feeds  # type: ignore[return-value]
+
+
 class KVEventSubscriber:
     """One SUB socket feeding ``index`` until ``close``.
 

@@ -9,13 +9,20 @@ import time
 import httpx
 import pytest
 
-from tandem.kv_cache.events import BlockStored, KVEventBatch, KVEventPublisher, hash_to_bytes, snapshot_batch
+from tandem.kv_cache.events import (
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVEventPublisher,
+    hash_to_bytes,
+    snapshot_batch,
+)
 from tandem.kv_cache.hashing import hash_token_blocks
 from tandem.router.app import RouterService, build_app
 from tandem.router.config import RouterConfig
 from tandem.router.health import HealthState
-from tandem.router.kv_index import ApproxBlockIndex, EventBlockIndex
-from tandem.router.kv_subscriber import endpoint_from_load, reachable_endpoint
+from tandem.router.kv_index import ApproxBlockIndex, EnginesBlockIndex, EventBlockIndex
+from tandem.router.kv_subscriber import endpoint_from_load, endpoints_from_load, reachable_endpoint
 
 pytestmark = pytest.mark.anyio
 
@@ -324,6 +331,56 @@ async def test_kv_events_found_in_load_feed_the_index_from_a_snapshot_then_batch
     assert info["indexed_blocks"] == len(hashes) and info["routed_prefix_hit_rate"] == 1.0
     await _stop(service, client)
     publisher.close()
+
+
+async def test_a_data_parallel_backend_is_indexed_per_engine_from_each_engines_events():
+    """`tandem serve -dp 2 --kv-events-config ...` publishes per engine (``/load`` ``engines``): the router
+    subscribes to each; the backend's match is the best engine's, and an eviction on that engine lowers it."""
+    pubs = [KVEventPublisher("tcp://127.0.0.1:*") for _ in range(2)]
+    engines = [{"engine": rank, "kv_events": {"endpoint": p.endpoint, "topic": ""}} for rank, p in enumerate(pubs)]
+    fakes = Fakes(**{A: {"block_size": 4, "num_kv_blocks": 64, "kv_events": None, "data_parallel_size": 2,
+                         "engines": engines}})
+    fakes.script = {A: ok, B: ok}
+    service, client = await _start(fakes, A, B, policy="kv-aware")
+    a, b = service.backends
+    assert isinstance(a.state.index, EnginesBlockIndex) and b.subscriber is None
+    assert [sub.endpoint for sub in a.subscribers] == [p.endpoint for p in pubs]
+    hashes = hash_token_blocks([ord(c) for c in BODY["prompt"]], 4)
+
+    async def publish(rank: int, batch: KVEventBatch, done) -> None:
+        for _ in range(300):  # NOTE: ZeroMQ's slow joiner: resend until it arrives
+            pubs[rank].publish(batch)
+            await asyncio.sleep(0.01)
+            if done():
+                return
+        raise AssertionError(f"engine {rank}'s batch never arrived")
+
+    stored = lambda hs: KVEventBatch(ts=0.0, events=[BlockStored([hash_to_bytes(h) for h in hs], 4)])  # noqa: E731
+    await publish(0, stored(hashes[:1]), lambda: a.state.index.engines[0].blocks)
+    await publish(1, stored(hashes), lambda: a.state.index.engines[1].blocks)
+    assert a.state.index.match(hashes) == len(hashes) and a.state.index.blocks == set(hashes)
+    info = (await client.get("/backends")).json()["backends"][0]
+    assert info["index"] == "kv-events" and info["indexed_blocks"] == len(hashes)
+    assert [x["endpoint"] for x in info["kv_events"]] == [p.endpoint for p in pubs]
+    r = await client.post("/v1/completions", json=BODY)
+    assert r.status_code == 200 and fakes.posts() == [A]
+    removed = KVEventBatch(ts=0.0, events=[BlockRemoved([hash_to_bytes(h) for h in hashes[1:]])])
+    await publish(1, removed, lambda: len(a.state.index.engines[1].blocks) == 1)
+    a.state.index.pending.clear()  # NOTE: the request's own hold (its grace period) aside
+    assert a.state.index.match(hashes) == 1  # engine 0 holds one block, engine 1 one: the best is 1
+    await _stop(service, client)
+    for p in pubs:
+        p.close()
+
+
+def test_engine_feeds_come_from_load_only_when_every_engine_publishes():
+    one = {"endpoint": "tcp://*:5557", "topic": "kv", "replay_endpoint": None}
+    url = "http://10.0.0.2:8000"
+    assert endpoints_from_load({"kv_events": one}, url) == [("tcp://10.0.0.2:5557", "kv", None)]
+    both = {"kv_events": None, "engines": [{"kv_events": one}, {"kv_events": {**one, "endpoint": "tcp://h:6"}}]}
+    assert endpoints_from_load(both, url) == [("tcp://10.0.0.2:5557", "kv", None), ("tcp://h:6", "kv", None)]
+    assert endpoints_from_load({"engines": [{"kv_events": one}, {"kv_events": None}]}, url) is None
+    assert endpoints_from_load({"engines": []}, url) is None and endpoints_from_load({}, url) is None
 
 
 async def test_a_client_gone_before_the_body_starts_leaves_nothing_outstanding():
