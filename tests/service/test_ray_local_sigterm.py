@@ -118,7 +118,7 @@ def test_sigterm_to_the_process_group_of_a_local_ray_server_exits_cleanly(storie
         code, left, _ = _exit_code(s, pids, temp_dir, t0, "SIGTERM to its process group")
     assert code == 0, s.log()[-3000:]
     assert left == [], left
-    assert "stopping its processes and the engine actors without Ray calls" in s.log()
+    assert "and the engine actors without Ray calls" in s.log()  # NOTE: from close, or the cluster watch first
 
 
 def test_sigterm_to_the_process_group_with_streams_running_ends_them_and_exits_cleanly(stories_dir, tmp_path):
