@@ -345,7 +345,11 @@ def _add_optional_commands(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()  # NOTE: imports the subcommands' modules: a Ctrl-C may come meanwhile
+    except KeyboardInterrupt:
+        return 130
+    args = parser.parse_args(argv)
     try:
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         return int(args.func(args) or 0)

@@ -169,13 +169,14 @@ class AsyncLLM(OutputLoopMixin):
         """Machine-readable load for routers: engine requests running and waiting (the core's queue plus
         those admitted here), KV cache usage (0..1), block size (tokens), this server's instance id, and
         where the core publishes KV events (``kv_events``: endpoint, replay_endpoint, topic; None: it
-        does not)."""
+        does not), and ``restarts``: how often its core was restarted (a restarted core's prefix cache is
+        empty: a router that indexes it starts over)."""
         stats = self.last_stats
         return {"instance_id": self.instance_id, "running": stats.num_running,
                 "waiting": stats.num_waiting + self._num_admitted, "kv_cache_usage": stats.kv_cache_usage,
                 "block_size": self.block_size, "num_kv_blocks": getattr(self.client, "num_blocks", 0),
                 "max_queue_len": self.max_queue_len, "healthy": self.is_healthy,
-                "kv_events": getattr(self.client, "kv_events", None)}
+                "kv_events": getattr(self.client, "kv_events", None), "restarts": self.supervisor.num_restarts}
 
     @contextmanager
     def admitted(self, num_requests: int) -> Iterator[None]:

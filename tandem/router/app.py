@@ -202,6 +202,8 @@ class RouterService:
         b.health.on_probe(ok, reason, silent)
         if ok and (ejected or not b.answered_load):
             await self._rediscover(b)
+        elif ok and b.load is not None:  # NOTE: a Tandem server (it answers /load)
+            await self._follow_engines(b)
 
     async def _rediscover(self, b: HttpBackend) -> None:
         """A backend back from an ejection, or up after the router started: its ``/load`` again, and
@@ -214,6 +216,35 @@ class RouterService:
         restarted = before is not None and b.load.get("instance_id") != before
         if not (restarted or b.events_moved()):
             return
+        await self._resubscribe(b)
+
+    async def _follow_engines(self, b: HttpBackend) -> None:
+        """A healthy Tandem backend: its ``/load`` again (each probe), so that an engine core restarted inside
+        it (a ``-dp`` server stays healthy meanwhile) gets an empty index and a subscription at its new
+        endpoint, instead of its dead core's blocks being counted as hits; and a backend that starts to
+        publish KV events (all its engines) is subscribed to.
+        Changes: that engine's index and subscriber (all of them when the server itself is another one)."""
+        before = (b.load or {}).get("instance_id")
+        if await b.fetch_load(self.client) is None:
+            return
+        if not b.subscribers:  # NOTE: an approximate index: events may have started (an engine came back)
+            if b.events_moved():
+                await self._resubscribe(b)
+            return
+        ranks = b.restarted_feeds()
+        if ranks is None or before is not None and b.load.get("instance_id") != before:
+            await self._resubscribe(b)
+            return
+        for rank in ranks:
+            await b.subscribers[rank].close()
+            sub = b.renew_feed(rank)
+            logger.info("backend %s: engine %d restarted: its index starts empty; KV events from %s",
+                        b.url, rank, sub.endpoint)
+            sub.start()
+
+    async def _resubscribe(self, b: HttpBackend) -> None:
+        """A new index and KV event subscriptions from the backend's current ``/load``. Changes: the
+        backend's index and subscribers."""
         for sub in b.subscribers:
             await sub.close()
         b.configure(self.block_size)

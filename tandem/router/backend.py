@@ -18,7 +18,7 @@ from tandem.router.kv_index import (
     EnginesBlockIndex,
     EventBlockIndex,
 )
-from tandem.router.kv_subscriber import KVEventSubscriber, endpoints_from_load
+from tandem.router.kv_subscriber import KVEventSubscriber, endpoints_from_load, engine_keys
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ class HttpBackend:
                                     clock, self._ejected)
         self.waiting: set[FirstByteWait] = set()
         self.subscribers: list[KVEventSubscriber] = []
+        self.feed_keys: list[tuple[str, object]] = []  # engine_keys of the subscribed /load
         self.load: dict[str, Any] | None = None
         self.answered_load = False  # it answered GET /load at least once (any status)
         self.busy_until = 0.0
@@ -122,9 +123,46 @@ class HttpBackend:
         Changes: ``state.index``, ``subscribers``."""
         indexes = [EventBlockIndex() for _ in feeds]
         self.state.index = indexes[0] if len(indexes) == 1 else EnginesBlockIndex(indexes)
-        names = [self.url] if len(feeds) == 1 else [f"{self.url} engine {rank}" for rank in range(len(feeds))]
-        self.subscribers = [KVEventSubscriber(endpoint, topic, index, name, replay)
-                            for (endpoint, topic, replay), index, name in zip(feeds, indexes, names, strict=True)]
+        self.subscribers = [KVEventSubscriber(endpoint, topic, index, self._feed_name(rank, len(feeds)), replay)
+                            for rank, ((endpoint, topic, replay), index) in enumerate(zip(feeds, indexes, strict=True))]
+        self.feed_keys = [(feed[0], None) for feed in feeds]
+
+    def _feed_name(self, rank: int, n: int) -> str:
+        return self.url if n == 1 else f"{self.url} engine {rank}"
+
+    def restarted_feeds(self) -> list[int] | None:
+        """The feeds (ranks) whose engine ``load`` shows restarted or publishing elsewhere since they were
+        subscribed; None when the feeds no longer line up (their number changed, one stopped publishing,
+        or the events come from ``--kv-events``): the caller configures the backend anew. No state changes."""
+        if dict(self.config.kv_events).get(self.url) is not None or not self.subscribers:
+            return []
+        keys = engine_keys(self.load or {}, self.url)
+        if keys is None or len(keys) != len(self.subscribers):
+            return None
+        return [rank for rank, (old, new) in enumerate(zip(self.feed_keys, keys, strict=True))
+                if old[0] != new[0] or old[1] is not None and old[1] != new[1]]
+
+    def note_feed_keys(self) -> None:
+        """Records ``load``'s engine keys as the subscribed ones (after a subscription, or a first look).
+        Changes: ``feed_keys``."""
+        keys = engine_keys(self.load or {}, self.url)
+        if keys is not None and len(keys) == len(self.subscribers):
+            self.feed_keys = keys
+
+    def renew_feed(self, rank: int) -> KVEventSubscriber:
+        """Gives feed ``rank`` (an engine restarted: its cache is empty) an empty index and a new subscriber
+        at its current endpoint (the caller closes the old one and starts the new). Changes: the index,
+        ``subscribers[rank]``, ``feed_keys[rank]``."""
+        feeds = endpoints_from_load(self.load or {}, self.url)
+        endpoint, topic, replay = feeds[rank]  # type: ignore[index]
+        index = EventBlockIndex()
+        if isinstance(self.state.index, EnginesBlockIndex):
+            self.state.index.engines[rank] = index
+        else:
+            self.state.index = index
+        self.subscribers[rank] = KVEventSubscriber(endpoint, topic, index, self._feed_name(rank, len(feeds)), replay)
+        self.feed_keys[rank] = engine_keys(self.load or {}, self.url)[rank]  # type: ignore[index]
+        return self.subscribers[rank]
 
     def configure(self, block_size: int) -> None:
         """Chooses the index from the discovery: events (``--kv-events`` or ``/load``'s ``kv_events``) when
@@ -144,6 +182,7 @@ class HttpBackend:
             found = endpoints_from_load(load, self.url)
             if found is not None:
                 self.use_engine_events(found)
+                self.note_feed_keys()
                 return
         blocks = load.get("num_kv_blocks")
         if self.config.approx_capacity_blocks is None and isinstance(blocks, int) and blocks > 0:

@@ -79,10 +79,7 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
     stderr."""
     given = [flag for flag, value in (("--kv-beta", args.kv_beta), ("--kv-min-match", args.kv_min_match))
              if value is not None]
-    if given and args.policy != "kv-aware":
-        print(f"tandem router: warning: {' and '.join(given)} only apply to --policy kv-aware; ignored with "
-              f"--policy {args.policy}", file=sys.stderr)
-    return RouterConfig(
+    config = RouterConfig(
         backends=tuple(args.backend), policy=args.policy,
         beta=DEFAULT_BETA if args.kv_beta is None else args.kv_beta,
         min_match=DEFAULT_MIN_MATCH if args.kv_min_match is None else args.kv_min_match,
@@ -93,6 +90,10 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         connect_timeout_s=args.connect_timeout, request_timeout_s=args.request_timeout,
         first_byte_timeout_s=args.first_byte_timeout, backend_startup_timeout_s=args.backend_startup_timeout,
         host=args.host, port=args.port)
+    if given and args.policy != "kv-aware":  # NOTE: after the checks: a bad value is an error all the same
+        print(f"tandem router: warning: {' and '.join(given)} only appl{'y' if len(given) > 1 else 'ies'} to "
+              f"--policy kv-aware; ignored with --policy {args.policy}", file=sys.stderr)
+    return config
 
 
 def cmd_router(args: argparse.Namespace) -> int:

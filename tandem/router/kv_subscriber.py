@@ -58,6 +58,19 @@ def endpoints_from_load(load: dict[str, Any], backend_url: str) -> list[tuple[st
     return None if None in feeds else feeds  # type: ignore[return-value]
 
 
+def engine_keys(load: dict[str, Any], backend_url: str) -> list[tuple[str, object]] | None:
+    """Per KV event feed of ``endpoints_from_load``: (endpoint, restarts of its engine core), which changes
+    when that engine was restarted (its cache is empty, its endpoint may be new); None as there. No state
+    changes."""
+    feeds = endpoints_from_load(load, backend_url)
+    if feeds is None:
+        return None
+    engines = load.get("engines") if load.get("kv_events") is None else None
+    restarts = ([e.get("restarts") for e in engines] if isinstance(engines, list)
+                else [load.get("restarts")])
+    return [(feed[0], n) for feed, n in zip(feeds, restarts, strict=True)]
+
+
 class KVEventSubscriber:
     """One SUB socket feeding ``index`` until ``close``.
 

@@ -53,7 +53,7 @@ def test_load_reports_queue_kv_and_instance(server):
     load = httpx.get(f"{server.url}/load", timeout=5).json()
     assert load == {"instance_id": "test-instance", "running": 0, "waiting": 0, "kv_cache_usage": 0.0,
                     "block_size": 16, "num_kv_blocks": load["num_kv_blocks"], "max_queue_len": 8, "healthy": True,
-                    "kv_events": None}
+                    "kv_events": None, "restarts": 0}
     assert load["num_kv_blocks"] > 0
     body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:

@@ -162,5 +162,12 @@ def test_kv_flags_apply_to_kv_aware_and_are_ignored_with_a_warning_otherwise(cap
                                        "--policy kv-aware; ignored with --policy round-robin\n")
     config = router_config_from_args(parse(["router", "--backend", "http://a:1", "--policy", "least-load"]))
     assert (config.beta, config.min_match) == (DEFAULT_BETA, DEFAULT_MIN_MATCH) and capsys.readouterr().err == ""
+    router_config_from_args(parse(["router", "--backend", "http://a:1", "--policy", "least-load", "--kv-beta", "1"]))
+    assert capsys.readouterr().err == ("tandem router: warning: --kv-beta only applies to --policy kv-aware; "
+                                       "ignored with --policy least-load\n")
     with pytest.raises(ConfigError, match="--kv-min-match must be in 0-1, got -1.0"):
         router_config_from_args(parse(["router", "--backend", "http://a:1", "--kv-min-match", "-1"]))
+    with pytest.raises(ConfigError, match="--kv-min-match must be in 0-1, got 2.0"):  # checked before the warning
+        router_config_from_args(parse(["router", "--backend", "http://a:1", "--policy", "round-robin",
+                                       "--kv-min-match", "2"]))
+    assert capsys.readouterr().err == ""

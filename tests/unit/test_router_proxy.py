@@ -373,6 +373,49 @@ async def test_a_data_parallel_backend_is_indexed_per_engine_from_each_engines_e
         p.close()
 
 
+async def test_an_engine_core_restarted_inside_a_backend_gets_an_empty_index_and_its_new_feed():
+    """A -dp server stays healthy while it restarts one engine core: the router follows its /load each probe.
+    Engine 1 restarted on a new port (``tcp://...:*``): its index starts empty and is fed from the new port;
+    engine 0 keeps its blocks. Engine 0 restarted on the same port (fixed endpoints): its index is emptied."""
+    pubs = [KVEventPublisher("tcp://127.0.0.1:*") for _ in range(3)]
+
+    def load(endpoints, restarts):
+        return {"block_size": 4, "num_kv_blocks": 64, "kv_events": None, "instance_id": "one", "engines": [
+            {"engine": r, "restarts": n, "kv_events": {"endpoint": e, "topic": ""}}
+            for r, (e, n) in enumerate(zip(endpoints, restarts, strict=True))]}
+
+    fakes = Fakes(**{A: load([pubs[0].endpoint, pubs[1].endpoint], [0, 0])})
+    fakes.script = {A: ok}
+    service, client = await _start(fakes, A, policy="kv-aware")
+    a = service.backends[0]
+    index = a.state.index
+    index.engines[0].blocks.update({1, 2})
+    index.engines[1].blocks.update({3, 4})
+    await service._check(a)  # nothing restarted
+    assert a.state.index is index and index.blocks == {1, 2, 3, 4}
+    fakes.load[A] = load([pubs[0].endpoint, pubs[2].endpoint], [0, 1])
+    await service._check(a)
+    assert [sub.endpoint for sub in a.subscribers] == [pubs[0].endpoint, pubs[2].endpoint]
+    assert index.engines[0].blocks == {1, 2} and index.engines[1].blocks == set()
+    batch = KVEventBatch(ts=0.0, events=[BlockStored([hash_to_bytes(9)], 4)])
+    for _ in range(300):  # the new core's events reach the new index
+        pubs[2].publish(batch)
+        await asyncio.sleep(0.01)
+        if index.engines[1].blocks:
+            break
+    assert index.engines[1].blocks == {9}
+    fakes.load[A] = load([pubs[0].endpoint, pubs[2].endpoint], [1, 1])  # engine 0: same port, a new core
+    await service._check(a)
+    assert index.engines[0].blocks == set() and index.engines[1].blocks == {9}
+    assert a.subscribers[0].endpoint == pubs[0].endpoint
+    fakes.load[A] = {**load([pubs[0].endpoint, pubs[2].endpoint], [1, 1]), "instance_id": "two"}
+    await service._check(a)  # another server process at that URL: everything anew
+    assert a.state.index is not index and a.state.index.blocks == set()
+    await _stop(service, client)
+    for p in pubs:
+        p.close()
+
+
 def test_engine_feeds_come_from_load_only_when_every_engine_publishes():
     one = {"endpoint": "tcp://*:5557", "topic": "kv", "replay_endpoint": None}
     url = "http://10.0.0.2:8000"
