@@ -241,6 +241,7 @@ class RouterService:
             logger.info("backend %s: engine %d restarted: its index starts empty; KV events from %s",
                         b.url, rank, sub.endpoint)
             sub.start()
+        b.forget_stopped_engines()
 
     async def _resubscribe(self, b: HttpBackend) -> None:
         """A new index and KV event subscriptions from the backend's current ``/load``. Changes: the

@@ -72,6 +72,7 @@ class HttpBackend:
         self.waiting: set[FirstByteWait] = set()
         self.subscribers: list[KVEventSubscriber] = []
         self.feed_keys: list[tuple[str, object]] = []  # engine_keys of the subscribed /load
+        self._stopped: set[int] = set()  # engines /load last reported not healthy
         self.load: dict[str, Any] | None = None
         self.answered_load = False  # it answered GET /load at least once (any status)
         self.busy_until = 0.0
@@ -149,6 +150,27 @@ class HttpBackend:
         if keys is not None and len(keys) == len(self.subscribers):
             self.feed_keys = keys
 
+    def forget_stopped_engines(self) -> list[int]:
+        """Empties the index of each engine ``load`` reports not healthy (a dead core, one not restarted after
+        a crash loop, or one being restarted): its blocks are not served. Returns those ranks. Changes: their
+        indexes (for a data-parallel backend also the router's pending holds, which cannot be told apart)."""
+        index = self.state.index
+        load = self.load or {}
+        engines = load.get("engines") if isinstance(index, EnginesBlockIndex) else [load]
+        if not isinstance(engines, list):
+            return []
+        stopped = [rank for rank, e in enumerate(engines) if isinstance(e, dict) and e.get("healthy") is False]
+        for rank in stopped:
+            if isinstance(index, EnginesBlockIndex):
+                if rank < len(index.engines):
+                    index.engines[rank].clear()
+                if rank not in self._stopped:
+                    index.pending.clear()
+            elif isinstance(index, EventBlockIndex):
+                index.clear()
+        self._stopped = set(stopped)
+        return stopped
+
     def renew_feed(self, rank: int) -> KVEventSubscriber:
         """Gives feed ``rank`` (an engine restarted: its cache is empty) an empty index and a new subscriber
         at its current endpoint (the caller closes the old one and starts the new). Changes: the index,
@@ -158,6 +180,7 @@ class HttpBackend:
         index = EventBlockIndex()
         if isinstance(self.state.index, EnginesBlockIndex):
             self.state.index.engines[rank] = index
+            self.state.index.pending.clear()  # NOTE: the router's own holds may be that engine's: not known which
         else:
             self.state.index = index
         self.subscribers[rank] = KVEventSubscriber(endpoint, topic, index, self._feed_name(rank, len(feeds)), replay)

@@ -376,7 +376,8 @@ async def test_a_data_parallel_backend_is_indexed_per_engine_from_each_engines_e
 async def test_an_engine_core_restarted_inside_a_backend_gets_an_empty_index_and_its_new_feed():
     """A -dp server stays healthy while it restarts one engine core: the router follows its /load each probe.
     Engine 1 restarted on a new port (``tcp://...:*``): its index starts empty and is fed from the new port;
-    engine 0 keeps its blocks. Engine 0 restarted on the same port (fixed endpoints): its index is emptied."""
+    engine 0 keeps its blocks. Engine 0 restarted on the same port (fixed endpoints): its index is emptied, as
+    when /load reports it not healthy; the router's own pending holds go with it."""
     pubs = [KVEventPublisher("tcp://127.0.0.1:*") for _ in range(3)]
 
     def load(endpoints, restarts):
@@ -391,12 +392,13 @@ async def test_an_engine_core_restarted_inside_a_backend_gets_an_empty_index_and
     index = a.state.index
     index.engines[0].blocks.update({1, 2})
     index.engines[1].blocks.update({3, 4})
+    index.pending.on_dispatch([7])
     await service._check(a)  # nothing restarted
     assert a.state.index is index and index.blocks == {1, 2, 3, 4}
     fakes.load[A] = load([pubs[0].endpoint, pubs[2].endpoint], [0, 1])
     await service._check(a)
     assert [sub.endpoint for sub in a.subscribers] == [pubs[0].endpoint, pubs[2].endpoint]
-    assert index.engines[0].blocks == {1, 2} and index.engines[1].blocks == set()
+    assert index.engines[0].blocks == {1, 2} and index.engines[1].blocks == set() and index.match([7]) == 0
     batch = KVEventBatch(ts=0.0, events=[BlockStored([hash_to_bytes(9)], 4)])
     for _ in range(300):  # the new core's events reach the new index
         pubs[2].publish(batch)
@@ -408,6 +410,13 @@ async def test_an_engine_core_restarted_inside_a_backend_gets_an_empty_index_and
     await service._check(a)
     assert index.engines[0].blocks == set() and index.engines[1].blocks == {9}
     assert a.subscribers[0].endpoint == pubs[0].endpoint
+    index.engines[0].blocks.update({5})
+    index.pending.on_dispatch([5, 6])
+    stopped = load([pubs[0].endpoint, pubs[2].endpoint], [1, 1])
+    stopped["engines"][0]["healthy"] = False  # crash-looped: not restarted, its blocks are not served
+    fakes.load[A] = stopped
+    await service._check(a)
+    assert index.engines[0].blocks == set() and index.engines[1].blocks == {9} and index.match([5, 6]) == 0
     fakes.load[A] = {**load([pubs[0].endpoint, pubs[2].endpoint], [1, 1]), "instance_id": "two"}
     await service._check(a)  # another server process at that URL: everything anew
     assert a.state.index is not index and a.state.index.blocks == set()
